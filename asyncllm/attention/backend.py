@@ -1,0 +1,54 @@
+"""The attention backend contract shared by the torch reference and the Triton kernels.
+
+A step's tokens form one flat batch: request r owns query rows
+query_start_loc[r] : query_start_loc[r + 1]. Its context after the step is seq_lens[r] tokens,
+the last (query_start_loc[r + 1] - query_start_loc[r]) of which are the new queries, so query
+row i of request r sits at position seq_lens[r] - query_len[r] + i and attends causally to every
+cached position up to and including its own.
+
+KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; token position p of
+request r lives in block block_tables[r, p // block_size] at offset p % block_size, i.e. in slot
+block_id * block_size + offset. slot_mapping[t] is the slot for new token t (-1: padding, skip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    max_query_len: int
+    max_seq_len: int
+    # host copies, so that CPU-side logic never syncs on the device
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write key/value into kv_cache at meta.slot_mapping, then attend over the paged context."""
+        ...

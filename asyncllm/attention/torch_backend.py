@@ -1,0 +1,96 @@
+"""Paged attention in plain torch: the CPU path and the reference for the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.attention.backend import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new keys/values in their slots; slots < 0 are padding and skipped."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    num_kv_heads, head_dim = key.shape[1:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first seq_len keys and values of one request, [seq_len, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[:num_blocks].long()]
+    blocks = blocks.flatten(1, 2)[:, :seq_len]
+    return blocks[0], blocks[1]
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """query [B, Hq, Q, D], key/value [B, Hkv, S, D] -> [B, Hq, Q, D], grouped-query aware."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+def _causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """True where query row i (at position seq_len - query_len + i) may see key position j."""
+    rows = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    return torch.arange(seq_len, device=device)[None, :] <= rows
+
+
+class TorchAttentionBackend:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        if meta.is_pure_decode:
+            return self._decode(query, kv_cache, meta, scale)
+        return self._varlen(query, kv_cache, meta, scale)
+
+    def _varlen(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        start = 0
+        for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
+            q = query[start : start + query_len].transpose(0, 1)[None]
+            mask = None if query_len == 1 else _causal_mask(query_len, seq_len, query.device)
+            o = _attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
+            out[start : start + query_len] = o[0].transpose(0, 1)
+            start += query_len
+        return out
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """One query per request: gather every table at once and mask past each length."""
+        block_size = kv_cache.shape[2]
+        max_blocks = -(-meta.max_seq_len // block_size)
+        tables = meta.block_tables[:, :max_blocks].long()
+        kv = kv_cache[:, tables].flatten(2, 3)  # [2, B, S, Hkv, D]
+        keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        positions = torch.arange(keys.shape[2], device=query.device)
+        mask = (positions[None, :] < meta.seq_lens[:, None].to(query.device))[:, None, None, :]
+        out = _attend(query[:, :, None, :], keys, values, scale, mask)
+        return out[:, :, 0, :]

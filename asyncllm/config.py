@@ -1,0 +1,161 @@
+"""EngineArgs (flat, what the CLI and LLM() take) and the EngineConfig built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from asyncllm.core.scheduler import SchedulerConfig
+from asyncllm.models.model_path import resolve_model_path
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF folder or .gguf file; None: the default SmolLM2-135M-Instruct
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    load_format: str = "auto"  # auto | dummy
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache; default sized from free memory
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # exact block count, overrides the memory settings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False
+    seed: int = 0
+    max_logprobs: int = 20
+
+    def create_engine_config(self) -> EngineConfig:
+        model = ModelConfig.from_args(self)
+        cache = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
+            max_model_len=model.max_model_len,
+            policy=self.scheduling_policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        if (
+            not self.enable_chunked_prefill
+            and scheduler.max_num_batched_tokens < model.max_model_len
+        ):
+            scheduler.max_num_batched_tokens = model.max_model_len
+        return EngineConfig(model, cache, scheduler, self)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+@dataclass
+class ModelConfig:
+    path: Path
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    load_format: str
+    attention_backend: str
+    enforce_eager: bool
+    seed: int
+    max_logprobs: int
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> ModelConfig:
+        path = resolve_model_path(args.model)
+        hf_config = _load_hf_config(path)
+        device = _resolve_device(args.device)
+        limit = getattr(hf_config, "max_position_embeddings", 2048)
+        max_model_len = args.max_model_len or limit
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit}.")
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        return cls(
+            path=path,
+            hf_config=hf_config,
+            dtype=_resolve_dtype(args.dtype, device),
+            device=device,
+            max_model_len=max_model_len,
+            eos_token_ids=_eos_token_ids(path, hf_config),
+            load_format=args.load_format,
+            attention_backend=backend,
+            enforce_eager=args.enforce_eager,
+            seed=args.seed,
+            max_logprobs=args.max_logprobs,
+        )
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    num_blocks: int | None
+    enable_prefix_caching: bool
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    args: EngineArgs
+
+
+def _load_hf_config(path: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model: cannot read a Hugging Face config from {path}: {e}") from e
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+def _eos_token_ids(path: Path, hf_config: PretrainedConfig) -> frozenset[int]:
+    """EOS ids from generation_config.json, else config.json (never from the tokenizer)."""
+    ids: list[int] = []
+    generation_config = path / "generation_config.json"
+    if generation_config.exists():
+        ids = _as_list(json.loads(generation_config.read_text()).get("eos_token_id"))
+    if not ids:
+        ids = _as_list(getattr(hf_config, "eos_token_id", None))
+    return frozenset(ids)
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)

@@ -1,0 +1,277 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+There are no prefill and decode phases: every scheduled request catches its num_computed_tokens
+up to its num_tokens, running requests first (in order), then waiting ones (in queue order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from asyncllm.core.kv_cache_manager import KVCacheManager, cdiv
+from asyncllm.core.request_queue import create_request_queue
+from asyncllm.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from asyncllm.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    # when positive, the most tokens one request computes in a step
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be non-negative.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
+                f" must be at least max_model_len ({self.max_model_len})."
+            )
+
+
+@dataclass
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}  # unfinished requests only
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_req_ids: set[str] = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ids the runner has not been told about yet."""
+        return self.has_unfinished_requests() or bool(self._finished_req_ids)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} already exists.")
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # a step that had to preempt has no room to admit anyone
+        if not step.preempted:
+            self._schedule_waiting(step)
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(list(step.scheduled.values()), step.preempted, finished)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Appends the sampled tokens; returns the requests that finished."""
+        finished: list[Request] = []
+        outputs = zip(
+            scheduler_output.scheduled, model_runner_output.sampled_token_ids, strict=True
+        )
+        for scheduled, token_id in outputs:
+            request = scheduled.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished or preempted while the step ran
+            num_computed = scheduled.num_computed_tokens + scheduled.num_new_tokens
+            self.kv_cache_manager.cache_blocks(request, num_computed)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+                self._free(request)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return finished
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finishes requests from outside (abort, stop string); unknown ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"{status.name} is not a finished status.")
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        waiting: set[Request] = set()
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is not RequestStatus.RUNNING:
+                waiting.add(request)
+            request.status = status
+            self._free(request)
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        self.running = [r for r in self.running if not r.is_finished]
+
+    def _schedule_running(self, step: _Step) -> None:
+        for request in list(self.running):
+            if step.budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
+            if num_new == 0:
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new, step)
+            if block_ids is not None:
+                self._record(request, num_new, block_ids, step)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self.waiting and step.budget > 0:
+            request = self.waiting.peek()
+            if request.request_id in step.preempted:
+                break  # it does not come back in the step that preempted it
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_hit, step.budget)
+            if num_new == 0:
+                break
+            block_ids = None
+            if len(self.running) < self.config.max_num_seqs:
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is not None:
+                self._admit(request, num_hit, num_new, block_ids, step)
+            elif not self._preempt_lower_priority(request, step):
+                break
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_new, budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
+        while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+        return block_ids
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _preempt_lower_priority(self, request: Request, step: _Step) -> bool:
+        """Under the priority policy, makes room for a waiting request by preempting a worse one."""
+        if self.config.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if _priority_key(victim) <= _priority_key(request):
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        undone = step.scheduled.pop(request.request_id, None)
+        if undone is not None:
+            step.budget += undone.num_new_tokens
+        step.preempted.add(request.request_id)
+        self.waiting.prepend(request)
+
+    def _admit(
+        self, request: Request, num_hit: int, num_new: int, block_ids: list[int], step: _Step
+    ) -> None:
+        self.waiting.pop()
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._record(request, num_new, block_ids, step)
+
+    def _record(self, request: Request, num_new: int, block_ids: list[int], step: _Step) -> None:
+        step.scheduled[request.request_id] = ScheduledRequest(
+            request, num_new, request.num_computed_tokens, block_ids
+        )
+        request.num_computed_tokens += num_new
+        step.budget -= num_new
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_req_ids.add(request.request_id)
+
+    def _check_fits(self, request: Request) -> None:
+        """Rejects a request that could never run, which would otherwise preempt itself forever."""
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt.")
+        if num_prompt > self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt} tokens exceeds max_model_len ({self.config.max_model_len})."
+            )
+        final_len = min(num_prompt + request.max_tokens, self.config.max_model_len)
+        # the last sampled token is never computed, so it needs no KV slot
+        max_computed = max(num_prompt, final_len - 1)
+        num_blocks = cdiv(max_computed, self.kv_cache_manager.block_size)
+        if num_blocks > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {num_blocks} KV cache blocks, "
+                f"the cache has {self.kv_cache_manager.num_blocks}."
+            )

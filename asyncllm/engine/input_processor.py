@@ -1,0 +1,96 @@
+"""Turns a prompt (text, token ids or chat messages) into a validated Request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from asyncllm.config import ModelConfig
+from asyncllm.request import Request
+from asyncllm.sampling_params import SamplingParams
+
+# a prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}), as in vLLM
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The model folder's tokenizer, or None for a folder without one (dummy benchmark models)."""
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+class InputProcessor:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase | None
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.hf_config.vocab_size
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> tuple[Request, str | None]:
+        """Returns the request and the prompt text (None when given token ids).
+
+        Chat prompts pass add_special_tokens=False: the template already holds them.
+        """
+        text, token_ids = self._tokenize(prompt, add_special_tokens)
+        self._validate(token_ids, params)
+        max_tokens = self.model_config.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            max_tokens=max_tokens,
+            priority=priority,
+        )
+        return request, text
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("messages: this model has no chat template.")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # jinja errors from a malformed conversation
+            raise ValueError(f"messages: cannot apply the chat template: {e}") from e
+
+    def _tokenize(
+        self, prompt: PromptType, add_special_tokens: bool
+    ) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise ValueError("prompt must be a string or {'prompt_token_ids': [...]}.")
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids.")
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty.")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}).")
+        limit = self.model_config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens long; the maximum model length is {limit}, "
+                "which must leave room for at least one generated token."
+            )
+        if params.logprobs is not None and params.logprobs > self.model_config.max_logprobs:
+            raise ValueError(
+                f"logprobs must be at most {self.model_config.max_logprobs}, got {params.logprobs}."
+            )

@@ -1,0 +1,352 @@
+"""Convert a llama-architecture GGUF file into a cached Hugging Face model folder.
+
+The folder holds config.json, generation_config.json, the tokenizer files (with the chat template)
+and model.safetensors in float32, so everything downstream only ever loads Hugging Face folders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tqdm import tqdm
+
+# Bump when the folder layout or contents change, so stale cached folders are not reused.
+CONVERTER_VERSION = 1
+CACHE_ENV_VAR = "ASYNCLLM_CACHE_DIR"
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+# llama.cpp's `tokenizer.ggml.pre` names, grouped by the split they stand for (llama-vocab.cpp).
+_GPT2_PRE = {"gpt-2", "mpt", "olmo", "jais"}
+_DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
+_REGEX_PRE = {"llama-bpe": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX, "stablelm2": _QWEN2_REGEX}
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+@dataclass(frozen=True)
+class GGUFModelInfo:
+    """The hyperparameters and special tokens a GGUF file declares."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    vocab_size: int
+    tied_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    chat_template: str | None
+
+
+def convert_gguf(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
+    """Return the Hugging Face folder for `gguf_path`, converting it on the first call."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    target = cached_folder(gguf_path, cache_root)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write_hf_folder(gguf_path, staging)
+        make_shareable(staging)
+        staging.rename(target)
+    except OSError:
+        # another process finished the same conversion first: its folder is complete, keep it
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def cache_dir(cache_root: Path | None = None) -> Path:
+    root = cache_root or os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "asyncllm"
+    return Path(root).expanduser()
+
+
+def cached_folder(gguf_path: Path, cache_root: Path | None = None) -> Path:
+    """`<cache>/gguf/<stem>-<key>`; the key changes when the file is replaced or rewritten."""
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERTER_VERSION}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return cache_dir(cache_root) / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def make_shareable(folder: Path) -> None:
+    # mkdtemp creates the folder private (0700); the cache may be shared by several users
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+
+
+def write_hf_folder(gguf_path: Path, out: Path) -> None:
+    reader = GGUFReader(gguf_path)
+    info = read_model_info(reader)
+    write_weights(reader, info, out / "model.safetensors")
+    write_json(out / "config.json", hf_config(info))
+    write_json(out / "generation_config.json", generation_config(info))
+    write_tokenizer(reader, info, gguf_path, out)
+
+
+def read_model_info(reader: GGUFReader) -> GGUFModelInfo:
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' converts")
+    hidden = int(field(reader, "llama.embedding_length"))
+    heads = int(field(reader, "llama.attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    return GGUFModelInfo(
+        hidden_size=hidden,
+        num_layers=int(field(reader, "llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, "llama.attention.key_length", hidden // heads)),
+        intermediate_size=int(field(reader, "llama.feed_forward_length")),
+        rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        context_length=int(field(reader, "llama.context_length")),
+        vocab_size=vocab_size(reader),
+        tied_embeddings="output.weight" not in tensor_names,
+        bos_token_id=optional_int(field(reader, "tokenizer.ggml.bos_token_id", None)),
+        eos_token_ids=eos_token_ids(reader),
+        pad_token_id=optional_int(field(reader, "tokenizer.ggml.padding_token_id", None)),
+        chat_template=field(reader, "tokenizer.chat_template", None),
+    )
+
+
+_MISSING = object()
+
+
+def field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
+    if key in reader.fields:
+        return reader.fields[key].contents()
+    if default is _MISSING:
+        raise ValueError(f"GGUF file lacks the metadata field {key!r}")
+    return default
+
+
+def optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def vocab_size(reader: GGUFReader) -> int:
+    if "llama.vocab_size" in reader.fields:
+        return int(field(reader, "llama.vocab_size"))
+    return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
+    """The GGUF's end-of-sequence id, then its end-of-turn / end-of-message ids if distinct."""
+    keys = (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    )
+    ids = [int(reader.fields[k].contents()) for k in keys if k in reader.fields]
+    return tuple(dict.fromkeys(ids))
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: it interleaves each head's two rotary halves,
+    while Hugging Face's rotate_half expects the first half of the rows then the second."""
+    half = weight.shape[0] // num_heads // 2
+    split = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return split.swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_weights(reader: GGUFReader, info: GGUFModelInfo, path: Path) -> None:
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors", unit="tensor"):
+        weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+            weight = unpermute_rotary(weight, info.num_heads)
+        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+            weight = unpermute_rotary(weight, info.num_kv_heads)
+        tensors[hf_tensor_name(tensor.name)] = np.ascontiguousarray(weight)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def hf_config(info: GGUFModelInfo) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": info.hidden_size,
+        "intermediate_size": info.intermediate_size,
+        "num_hidden_layers": info.num_layers,
+        "num_attention_heads": info.num_heads,
+        "num_key_value_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": info.context_length,
+        "rms_norm_eps": info.rms_norm_eps,
+        # both spellings: transformers 5 reads rope_parameters, older readers rope_theta
+        "rope_theta": info.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": info.rope_theta},
+        "vocab_size": info.vocab_size,
+        "tie_word_embeddings": info.tied_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": info.bos_token_id,
+        "eos_token_id": one_or_list(info.eos_token_ids),
+        "pad_token_id": info.pad_token_id,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def generation_config(info: GGUFModelInfo) -> dict[str, Any]:
+    config = {"bos_token_id": info.bos_token_id, "eos_token_id": one_or_list(info.eos_token_ids)}
+    if info.pad_token_id is not None:
+        config["pad_token_id"] = info.pad_token_id
+    return config
+
+
+def one_or_list(ids: tuple[int, ...]) -> int | list[int] | None:
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else list(ids)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_tokenizer(reader: GGUFReader, info: GGUFModelInfo, gguf_path: Path, out: Path) -> None:
+    # imported here: transformers is slow to import and only a first conversion needs it
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokens: list[str] = field(reader, "tokenizer.ggml.tokens")
+    byte_level = field(reader, "tokenizer.ggml.model") == "gpt2"
+    if byte_level:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(reader, info, tokens))
+    else:
+        # SentencePiece-style vocabularies carry no pre-tokenizer name; transformers converts them
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    special = {
+        "bos_token": info.bos_token_id,
+        "eos_token": info.eos_token_ids[0] if info.eos_token_ids else None,
+        "unk_token": optional_int(field(reader, "tokenizer.ggml.unknown_token_id", None)),
+        "pad_token": info.pad_token_id,
+    }
+    for name, token_id in special.items():
+        if token_id is not None:
+            setattr(tokenizer, name, tokens[token_id])
+    tokenizer.model_max_length = info.context_length
+    if info.chat_template:
+        tokenizer.chat_template = info.chat_template
+    tokenizer.save_pretrained(out)
+    if byte_level:
+        set_tokenizer_class(out / "tokenizer_config.json", "PreTrainedTokenizerFast")
+
+
+def set_tokenizer_class(config_path: Path, name: str) -> None:
+    # transformers 5 writes its own class name, which transformers 4 cannot load; this one both can
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = name
+    write_json(config_path, config)
+
+
+def byte_level_bpe(reader: GGUFReader, info: GGUFModelInfo, tokens: list[str]) -> Tokenizer:
+    merges = [tuple(merge.split(" ", 1)) for merge in field(reader, "tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer(field(reader, "tokenizer.ggml.pre", "gpt-2"))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = bos_processor(reader, info, tokens)
+    tokenizer.add_tokens(added_tokens(reader, tokens))
+    return tokenizer
+
+
+def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The Hugging Face equivalent of llama.cpp's regex split for the GGUF's pre-tokenizer name."""
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre in _REGEX_PRE:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
+
+
+def bos_processor(
+    reader: GGUFReader, info: GGUFModelInfo, tokens: list[str]
+) -> processors.PostProcessor:
+    if not field(reader, "tokenizer.ggml.add_bos_token", False) or info.bos_token_id is None:
+        return processors.ByteLevel(trim_offsets=False)
+    bos = tokens[info.bos_token_id]
+    return processors.TemplateProcessing(
+        single=f"{bos} $A",
+        pair=f"{bos} $A {bos} $B:1",
+        special_tokens=[(bos, info.bos_token_id)],
+    )
+
+
+def added_tokens(reader: GGUFReader, tokens: list[str]) -> list[AddedToken]:
+    """Control tokens become special added tokens, user-defined ones plain added tokens."""
+    types = field(reader, "tokenizer.ggml.token_type", [])
+    return [
+        AddedToken(tokens[i], special=kind == _TOKEN_TYPE_CONTROL, normalized=False)
+        for i, kind in enumerate(types)
+        if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+    ]

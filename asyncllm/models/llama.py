@@ -1,0 +1,188 @@
+"""The Llama family in one class: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.models.layers.activation import silu_and_mul
+from asyncllm.models.layers.norm import RMSNorm
+from asyncllm.models.layers.rotary import RotaryEmbedding
+
+# checkpoint name piece -> (fused parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(
+            self.head_dim,
+            config.max_position_embeddings,
+            getattr(config, "rope_theta", None)
+            or _rope_parameters(config).get("rope_theta", 10000.0),
+            _rope_scaling(config),
+        )
+        self.backend = backend
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def shard_sizes(self) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend, qk_norm)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        qk_norm = config.model_type == "qwen3"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the parameters, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (self.tie_word_embeddings and name.startswith("lm_head")):
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            _copy_shard(self, params[target], target, shard, tensor)
+            loaded.add(target)
+        return loaded
+
+    @property
+    def layer_geometry(self) -> tuple[int, int, int]:
+        attn = self.layers[0].self_attn
+        return len(self.layers), attn.num_kv_heads, attn.head_dim
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for piece, (fused, shard) in _STACKED.items():
+        if f".{piece}." in name:
+            return name.replace(piece, fused), shard
+    return name, None
+
+
+def _copy_shard(
+    model: nn.Module, param: nn.Parameter, name: str, shard: int | None, tensor: torch.Tensor
+) -> None:
+    if shard is None:
+        param.data.copy_(tensor)
+        return
+    owner = model.get_submodule(name.rsplit(".", 2)[0])
+    sizes = owner.shard_sizes()
+    start = sum(sizes[:shard])
+    param.data[start : start + sizes[shard]].copy_(tensor)
+
+
+def _rope_parameters(config: PretrainedConfig) -> dict:
+    return getattr(config, "rope_parameters", None) or {}
+
+
+def _rope_scaling(config: PretrainedConfig) -> dict | None:
+    scaling = getattr(config, "rope_scaling", None) or _rope_parameters(config)
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return None
+    return scaling

@@ -1,0 +1,62 @@
+"""Build a model and fill its weights from safetensors files or with dummy random values."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from asyncllm.attention.backend import AttentionBackend
+from asyncllm.config import ModelConfig
+from asyncllm.models.registry import get_model_class
+
+
+def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
+    model_class = get_model_class(config.hf_config)
+    with torch.device(config.device), _skip_random_init():
+        model = model_class(config.hf_config, backend)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        loaded = model.load_weights(iter_safetensors(config.path))
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"model: the checkpoint lacks {', '.join(sorted(missing)[:5])}")
+    return model.to(config.dtype).eval()
+
+
+@contextlib.contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """Every weight is overwritten right after construction: skip torch's costly random init."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of model.safetensors or of the shards an index names."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no .safetensors files in {folder} (use load_format='dummy'?)")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Small random values: enough for speed benchmarks, with sane activations."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, 0.02, generator=generator)

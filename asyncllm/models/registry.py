@@ -1,0 +1,25 @@
+"""Hugging Face `architectures` name -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from asyncllm.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
+    for name in getattr(config, "architectures", None) or []:
+        if name in MODEL_CLASSES:
+            return MODEL_CLASSES[name]
+    raise ValueError(
+        f"model: architecture {config.architectures} is not supported; "
+        f"supported: {', '.join(MODEL_CLASSES)}."
+    )

