@@ -1,0 +1,397 @@
+"""Kernel benchmarks on one GPU: bandwidth and FLOP rates against ceilings measured in the same run.
+
+    python bench/kernels.py --out bench/results/kernels_h200.json
+
+Ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul. Decode
+attention counts the KV bytes it must read plus q and out; prefill counts 4 * head_dim FLOPs per
+visible (query, key) pair per head. Times are medians of triton.testing.do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import (  # noqa: E402
+    fused_add_rms_norm,
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
+from kernels._common import AttentionConfig  # noqa: E402
+from kernels.decode_attention import choose_num_splits, default_decode_config  # noqa: E402
+from kernels.prefill_attention import default_prefill_config  # noqa: E402
+
+# Qwen3-0.6B attention shape
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+DECODE_SWEEP = [
+    AttentionConfig(0, block_n, warps, stages)
+    for block_n, warps, stages in [
+        (16, 2, 4),
+        (32, 2, 4),
+        (32, 4, 3),
+        (32, 4, 4),
+        (64, 4, 2),
+        (64, 4, 3),
+        (64, 4, 4),
+        (64, 8, 3),
+        (128, 4, 2),
+        (128, 4, 3),
+        (128, 8, 2),
+        (128, 8, 3),
+    ]
+]
+PREFILL_SWEEP = [
+    AttentionConfig(*c)
+    for c in [
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 64, 4, 4),
+        (128, 64, 4, 2),
+        (128, 32, 4, 3),
+        (128, 128, 8, 3),
+        (64, 64, 4, 3),
+        (64, 64, 4, 4),
+        (64, 32, 4, 4),
+        (64, 128, 4, 3),
+    ]
+]
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def measure_copy_tbps() -> float:
+    src = torch.randn(1 << 29, device=DEVICE, dtype=torch.float32)  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / ms / 1e9
+
+
+def measure_matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE)
+    ms = median_ms(lambda: a @ b)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def make_cache(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random cache and block tables whose blocks are scattered over the pool."""
+    blocks = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks)
+    kv_cache = torch.randn(
+        2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE
+    )
+    ids = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEVICE)
+    start = 0
+    for r, n in enumerate(blocks):
+        tables[r, :n] = ids[start : start + n]
+        start += n
+    return kv_cache, tables
+
+
+def bench_decode(
+    batch: int,
+    context: int,
+    copy_tbps: float,
+    config: AttentionConfig | None = None,
+    num_splits: int | None = None,
+) -> dict:
+    seq_lens = [context] * batch
+    kv_cache, tables = make_cache(seq_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    out = torch.empty_like(query)
+    splits = num_splits or choose_num_splits(
+        batch, NUM_KV_HEADS, context, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    ms = median_ms(
+        lambda: paged_decode_attention(
+            query,
+            kv_cache,
+            tables,
+            lens,
+            HEAD_DIM**-0.5,
+            out,
+            max_seq_len=context,
+            num_splits=splits,
+            config=config,
+        )
+    )
+    nbytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2 + 2 * query.numel() * 2
+    tbps = nbytes / ms / 1e9
+    config = config or default_decode_config(DTYPE)
+    return {
+        "batch": batch,
+        "context": context,
+        "num_splits": splits,
+        "config": vars(config),
+        "ms": ms,
+        "tbps": tbps,
+        "pct_of_copy": 100 * tbps / copy_tbps,
+    }
+
+
+def bench_kv_write(num_tokens: int, copy_tbps: float) -> dict:
+    num_blocks = num_tokens // BLOCK_SIZE * 2
+    kv_cache = torch.randn(
+        2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE
+    )
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:num_tokens]
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    value = torch.randn_like(key)
+    ms = median_ms(lambda: reshape_and_cache(key, value, kv_cache, slots))
+    nbytes = 2 * 2 * key.numel() * 2  # key and value, each read once and written once
+    return {
+        "tokens": num_tokens,
+        "ms": ms,
+        "tbps": nbytes / ms / 1e9,
+        "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tbps,
+    }
+
+
+def bench_prefill(
+    query_lens: list[int],
+    seq_lens: list[int],
+    matmul_tflops: float,
+    config: AttentionConfig | None = None,
+) -> dict:
+    kv_cache, tables = make_cache(seq_lens)
+    starts = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    out = torch.empty_like(query)
+    ms = median_ms(
+        lambda: paged_prefill_attention(
+            query,
+            kv_cache,
+            starts,
+            lens,
+            tables,
+            HEAD_DIM**-0.5,
+            max(query_lens),
+            out,
+            config=config,
+        )
+    )
+    pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
+    tflops = 4 * HEAD_DIM * NUM_HEADS * pairs / ms / 1e9
+    config = config or default_prefill_config(DTYPE)
+    return {
+        "query_lens": sorted(set(query_lens)),
+        "seq_lens": sorted(set(seq_lens)),
+        "num_reqs": len(query_lens),
+        "config": vars(config),
+        "ms": ms,
+        "tflops": tflops,
+        "pct_of_matmul": 100 * tflops / matmul_tflops,
+    }
+
+
+def bench_sdpa_reference(num_reqs: int, length: int, matmul_tflops: float) -> dict:
+    """torch's own causal SDPA (flash) on contiguous K/V of the same shape: a point of comparison."""
+    q = torch.randn(num_reqs, NUM_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(num_reqs, NUM_KV_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    v = torch.randn_like(k)
+    ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    tflops = 4 * HEAD_DIM * NUM_HEADS * num_reqs * length * (length + 1) // 2 / ms / 1e9
+    return {
+        "num_reqs": num_reqs,
+        "length": length,
+        "ms": ms,
+        "tflops": tflops,
+        "pct_of_matmul": 100 * tflops / matmul_tflops,
+    }
+
+
+def bench_ops(copy_tbps: float) -> list[dict]:
+    tokens, hidden, inter = 16384, 1024, 3072
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device=DEVICE, dtype=DTYPE)
+    gate_up = torch.randn(tokens, 2 * inter, device=DEVICE, dtype=DTYPE)
+    qkv = torch.randn(tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    q, k, _ = qkv.split(
+        [NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], -1
+    )
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    angles = torch.randn(4096, HEAD_DIM, device=DEVICE)
+    cases = [
+        ("rms_norm", lambda: rms_norm(x, weight, 1e-6), 2 * x.numel() * 2),
+        (
+            "fused_add_rms_norm",
+            lambda: fused_add_rms_norm(x, residual, weight, 1e-6),
+            4 * x.numel() * 2,
+        ),
+        ("silu_and_mul", lambda: silu_and_mul(gate_up), 3 * tokens * inter * 2),
+        (
+            "rotary_embedding",
+            lambda: rotary_embedding(positions, q, k, angles),
+            2 * (q.numel() + k.numel()) * 2,
+        ),
+    ]
+    results = []
+    for name, fn, nbytes in cases:
+        ms = median_ms(fn)
+        results.append(
+            {
+                "op": name,
+                "tokens": tokens,
+                "ms": ms,
+                "tbps": nbytes / ms / 1e9,
+                "pct_of_copy": 100 * nbytes / ms / 1e9 / copy_tbps,
+            }
+        )
+    return results
+
+
+def run_all(command: str) -> dict:
+    torch.manual_seed(0)
+    copy_tbps = measure_copy_tbps()
+    matmul_tflops = measure_matmul_tflops()
+    print(
+        f"ceilings: copy {copy_tbps:.2f} TB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s", flush=True
+    )
+    result: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": command,
+        "shape": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "bfloat16",
+        },
+        "ceilings": {"copy_tbps": copy_tbps, "matmul_bf16_tflops": matmul_tflops},
+    }
+    sections: list[tuple[str, Callable[[], object]]] = [
+        ("decode", lambda: [bench_decode(256, ctx, copy_tbps) for ctx in (1024, 4096)]),
+        (
+            "decode_sweep",
+            lambda: [bench_decode(256, 4096, copy_tbps, config=c) for c in DECODE_SWEEP],
+        ),
+        (
+            "decode_split_k",
+            lambda: (
+                [bench_decode(4, 16384, copy_tbps, num_splits=s) for s in (1, None)]
+                + [bench_decode(32, 4096, copy_tbps, num_splits=s) for s in (1, None)]
+            ),
+        ),
+        ("kv_write", lambda: [bench_kv_write(n, copy_tbps) for n in (256, 16384)]),
+        (
+            "prefill",
+            lambda: [
+                bench_prefill([4096] * 4, [4096] * 4, matmul_tflops),
+                bench_prefill([512] * 16, [4096] * 16, matmul_tflops),
+                bench_prefill([1024] * 8, [1024] * 8, matmul_tflops),
+            ],
+        ),
+        (
+            "prefill_sweep",
+            lambda: [
+                bench_prefill([4096] * 4, [4096] * 4, matmul_tflops, c) for c in PREFILL_SWEEP
+            ],
+        ),
+        ("sdpa_reference", lambda: [bench_sdpa_reference(4, 4096, matmul_tflops)]),
+        ("ops", lambda: bench_ops(copy_tbps)),
+    ]
+    for name, section in sections:
+        try:
+            result[name] = section()
+        except Exception as exc:  # one failing section must not lose the others' numbers
+            result[name] = {"error": repr(exc)}
+        print(f"{name}: {json.dumps(result[name])}", flush=True)
+        torch.cuda.empty_cache()
+    return result
+
+
+def _rows(result: dict, name: str) -> list[dict]:
+    rows = result.get(name, [])
+    return rows if isinstance(rows, list) else [rows]
+
+
+def summary(result: dict) -> str:
+    """A short table for the end of the log."""
+    c = result["ceilings"]
+    lines = [
+        f"{result['gpu']}  torch {result['torch']}  triton {result['triton']}",
+        f"copy {c['copy_tbps']:.2f} TB/s   bf16 matmul {c['matmul_bf16_tflops']:.0f} TFLOP/s",
+    ]
+    bandwidth_keys = (
+        "batch",
+        "context",
+        "num_splits",
+        "tokens",
+        "op",
+        "ms",
+        "tbps",
+        "pct_of_copy",
+        "error",
+    )
+    flop_keys = (
+        "query_lens",
+        "seq_lens",
+        "num_reqs",
+        "length",
+        "ms",
+        "tflops",
+        "pct_of_matmul",
+        "error",
+    )
+    for names, keys in (
+        (("decode", "decode_split_k", "kv_write", "ops"), bandwidth_keys),
+        (("prefill", "sdpa_reference"), flop_keys),
+    ):
+        for name in names:
+            for row in _rows(result, name):
+                shown = {
+                    k: round(v, 3) if isinstance(v, float) else v
+                    for k, v in row.items()
+                    if k in keys
+                }
+                lines.append(f"{name:16s} {json.dumps(shown)}")
+    for name, key in (("decode_sweep", "tbps"), ("prefill_sweep", "tflops")):
+        rows = [r for r in _rows(result, name) if key in r]
+        if rows:
+            best = max(rows, key=lambda r: r[key])
+            lines.append(f"best {name}: {best['config']} {key}={best[key]:.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_h200.json"))
+    args = parser.parse_args()
+    result = run_all(" ".join(["python", *sys.argv]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(summary(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Triton kernels for asyncllm: paged attention, KV cache writes, fused norm / rotary / activation.
+
+Deliberately no __version__: Hugging Face transformers probes for an unrelated package also
+importable as `kernels` and treats one without a version in its supported range as absent.
+"""
+
+from kernels.activation import silu_and_mul
+from kernels.cache import reshape_and_cache
+from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.norm import fused_add_rms_norm, rms_norm
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.rotary import rotary_embedding
+
+__all__ = [
+    "choose_num_splits",
+    "fused_add_rms_norm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]

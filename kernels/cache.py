@@ -1,0 +1,71 @@
+"""Write new keys and values into the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import next_pow2
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Copy token t's keys and values [num_kv_heads, head_dim] into cache slot slot_mapping[t]."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
+    value = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask)
+    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
+    tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots; slot -1 is skipped.
+
+    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim] and contiguous; key and value
+    may be strided views (e.g. slices of a fused qkv projection) with a contiguous last dim.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert kv_cache.is_contiguous() and kv_cache.shape[-2:] == (num_kv_heads, head_dim)
+    assert key.stride(-1) == 1 and value.stride(-1) == 1
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_pow2(num_kv_heads),
+        BLOCK_D=next_pow2(head_dim),
+        num_warps=4,
+    )

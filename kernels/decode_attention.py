@@ -1,0 +1,258 @@
+"""Paged attention for decode: one query token per request, GQA-aware, optionally split-K."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import AttentionConfig, dot_precision, next_pow2, num_sms
+
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    scale_log2,
+    num_seqs,
+    q_stride_s,
+    q_stride_h,
+    out_stride_s,
+    out_stride_h,
+    block_table_stride,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Attention of the GROUP query heads sharing one KV head, over one split of a sequence's keys."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    # query rows past the last sequence (a padded batch) see no keys and come out as zeros
+    seq_len = tl.load(seq_lens_ptr + seq, mask=seq < num_seqs, other=0)
+
+    # any split count covers any seq_len, so a captured graph stays right as sequences grow
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, TILE_N)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    kv_offset = kv_head * HEAD_DIM + d
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE_N + n
+        pos_mask = pos < seq_len
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_mask, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_ptrs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_offset[None, :]
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    if SPLIT:
+        row = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits + split
+        tl.store(part_max_ptr + row, m, mask=g_mask)
+        tl.store(part_sum_ptr + row, denom, mask=g_mask)
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+            acc,
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        tl.store(
+            out_ptr + seq * out_stride_s + heads[:, None] * out_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_ptr,
+    num_splits,
+    num_heads,
+    out_stride_s,
+    out_stride_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge one head's per-split (max, sum, unnormalised output) into the final output row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    rows = (seq * num_heads + head) * num_splits + s
+    m = tl.load(part_max_ptr + rows, mask=s_mask, other=float("-inf"))
+    denom = tl.load(part_sum_ptr + rows, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(weight * denom, 0)
+    acc = tl.load(
+        part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + seq * out_stride_s + head * out_stride_h + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """Split the keys only when (sequence, KV head) programs alone would leave SMs idle."""
+    programs = num_seqs * num_kv_heads
+    if programs >= sms or max_seq_len <= MIN_TOKENS_PER_SPLIT:
+        return 1
+    by_occupancy = math.ceil(2 * sms / programs)
+    by_length = math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def default_decode_config(dtype: torch.dtype) -> AttentionConfig:
+    if dtype == torch.float32:
+        return AttentionConfig(block_m=0, block_n=32, num_warps=4, num_stages=2)
+    return AttentionConfig(block_m=0, block_n=64, num_warps=4, num_stages=3)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """query [num_seqs, num_heads, head_dim], one token per sequence at position seq_len - 1.
+
+    Reads keys/values from kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] through
+    block_tables [num_seqs, max_blocks] (int32) and seq_lens [num_seqs] (int32). Query rows past
+    len(seq_lens) are padding and come out as zeros. num_splits (None: chosen from the host int
+    max_seq_len, default the block table's capacity) only affects speed, never the result, and
+    nothing here syncs with the device, so the call can be captured in a CUDA graph.
+    """
+    num_rows, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert kv_cache.is_contiguous() and query.stride(-1) == 1
+    assert num_heads % num_kv_heads == 0
+    if out is None:
+        out = torch.empty_like(query)
+    if num_rows == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, num_sms(query.device))
+    config = config or default_decode_config(query.dtype)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty(
+            num_rows, num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out
+    block_d = next_pow2(head_dim)
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        scale * _LOG2E,
+        seq_lens.shape[0],
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        TILE_N=config.block_n,
+        SPLIT=split,
+        PRECISION=dot_precision(query.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(num_rows, num_heads)](
+            part_out,
+            part_max,
+            part_sum,
+            out,
+            num_splits,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out

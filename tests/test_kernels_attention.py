@@ -1,0 +1,332 @@
+"""Paged attention kernels and the KV cache write against float64 references.
+
+On CPU these run under TRITON_INTERPRET=1 (set in conftest.py) at small sizes in fp32 and fp16
+(the interpreter cannot compute bf16); with a GPU the cases widen to every dtype and longer contexts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.attention.torch_backend import TorchAttentionBackend, gather_kv, write_kv_cache
+from asyncllm.attention.triton_backend import TritonAttentionBackend
+from kernels import (
+    choose_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+)
+
+FULL = torch.cuda.is_available()
+DEVICE = "cuda" if FULL else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if FULL else [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+NEEDS_CUDA = pytest.mark.skipif(not FULL, reason="CUDA graphs need a GPU")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    padding_tokens: int = 0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random query/key/value and a random cache whose blocks are scattered across the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(query_lens) + padding_tokens
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_req) + 2
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots = []
+    for r, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        table = [ids.pop() for _ in range(blocks_per_req[r])]
+        block_tables[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots += [
+            table[p // block_size] * block_size + p % block_size
+            for p in range(s_len - q_len, s_len)
+        ]
+    slot_mapping = torch.tensor(slots + [-1] * padding_tokens, dtype=torch.int64)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    query = randn(num_tokens, num_heads, head_dim)
+    key = randn(num_tokens, num_kv_heads, head_dim)
+    value = randn(num_tokens, num_kv_heads, head_dim)
+    kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(query), to(key), to(value), to(kv_cache), meta
+
+
+def reference_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal paged attention in float64, one request at a time."""
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+    start = 0
+    for r, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        k, v = (t.double() for t in gather_kv(kv_cache, meta.block_tables[r], s_len))
+        group = query.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        q = query[start : start + q_len].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
+        visible = torch.arange(s_len, device=query.device)[None, :] <= q_pos
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        start += q_len
+    return out
+
+
+def test_reshape_and_cache_matches_torch_and_skips_padding() -> None:
+    query_lens, seq_lens = [3, 1, 20], [3, 17, 40]
+    _, key, value, kv_cache, meta = make_batch(
+        query_lens, seq_lens, 4, 2, 64, torch.float32, padding_tokens=3
+    )
+    # strided views, as a fused qkv projection hands them over
+    fused = torch.cat([key, value], dim=1)
+    key, value = fused[:, :2], fused[:, 2:]
+    expected = kv_cache.clone()
+    write_kv_cache(key, value, expected, meta.slot_mapping)
+    reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_dtypes(dtype: torch.dtype) -> None:
+    _, key, value, kv_cache, meta = make_batch([5, 9], [21, 9], 8, 8, 128, dtype, padding_tokens=2)
+    expected = kv_cache.clone()
+    write_kv_cache(key, value, expected, meta.slot_mapping)
+    reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+    assert torch.equal(kv_cache, expected)
+
+
+DECODE_CASES = [
+    # (num_heads, num_kv_heads, head_dim, dtype, num_splits, block_size)
+    (2, 2, 64, torch.float32, 1, 16),
+    (8, 2, 128, torch.float32, 3, 16),
+    (16, 2, 64, torch.float32, None, 32),
+    (8, 2, 64, torch.float16, 2, 16),
+]
+if FULL:
+    DECODE_CASES = [
+        (heads * group, heads, head_dim, dtype, splits, 16 if head_dim == 128 else 32)
+        for heads, group in [(2, 1), (2, 4), (1, 8), (8, 2)]
+        for head_dim in (64, 128)
+        for dtype in DTYPES
+        for splits in (1, 5, None)
+    ]
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,dtype,num_splits,block_size", DECODE_CASES
+)
+def test_decode_matches_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_splits: int | None,
+    block_size: int,
+) -> None:
+    rng = random.Random(head_dim + num_heads)
+    seq_lens = [1, 16, 17, 31, 130] + ([rng.randint(1, 3000) for _ in range(27)] if FULL else [])
+    query, _, _, kv_cache, meta = make_batch(
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size
+    )
+    scale = head_dim**-0.5
+    out = paged_decode_attention(
+        query,
+        kv_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        scale,
+        max_seq_len=meta.max_seq_len,
+        num_splits=num_splits,
+    )
+    assert relative_error(out, reference_attention(query, kv_cache, meta, scale)) < TOLERANCE[dtype]
+
+
+def test_num_splits_only_when_sms_would_idle() -> None:
+    assert choose_num_splits(256, 8, 4096, sms=132) == 1
+    assert choose_num_splits(4, 8, 200, sms=132) == 1
+    assert choose_num_splits(4, 8, 16384, sms=132) == 9
+    assert choose_num_splits(1, 1, 1 << 20, sms=132) == 64
+
+
+def test_decode_split_k_agrees_with_single_pass() -> None:
+    query, _, _, kv_cache, meta = make_batch([1, 1], [90, 200], 4, 1, 64, torch.float32)
+    args = (query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    single = paged_decode_attention(*args, num_splits=1)
+    # more splits than tiles: the empty splits must not disturb the merge
+    for splits in (2, 7):
+        assert relative_error(paged_decode_attention(*args, num_splits=splits), single) < 1e-6
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_rows_past_the_batch_are_zero(num_splits: int) -> None:
+    query, _, _, kv_cache, meta = make_batch([1, 1], [5, 40], 4, 2, 64, torch.float32)
+    padded = torch.cat([query, torch.randn_like(query[:1]).expand(3, -1, -1)])
+    out = torch.full_like(padded, float("nan"))
+    paged_decode_attention(
+        padded, kv_cache, meta.block_tables, meta.seq_lens, 0.125, out=out, num_splits=num_splits
+    )
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert relative_error(out[:2], reference_attention(query, kv_cache, meta, 0.125)) < 1e-5
+
+
+PREFILL_CASES = [
+    # (query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size)
+    ([5, 70, 17], [5, 70, 17], 4, 1, 64, torch.float32, 16),  # fresh prompts
+    ([1, 70, 3, 20], [40, 100, 3, 52], 8, 2, 128, torch.float32, 16),  # prefix hits, a decode row
+    ([33, 1, 9], [60, 17, 9], 8, 1, 64, torch.float16, 32),
+]
+if FULL:
+    PREFILL_CASES = [
+        (
+            [1, 300, 129, 7, 1, 64],
+            [900, 300, 1000, 7, 33, 64 + 16 * 40],
+            heads * group,
+            heads,
+            head_dim,
+            dtype,
+            block_size,
+        )
+        for heads, group in [(2, 1), (2, 4), (1, 8), (8, 2)]
+        for head_dim in (64, 128)
+        for dtype in DTYPES
+        for block_size in (16, 32)
+    ]
+
+
+@pytest.mark.parametrize(
+    "query_lens,seq_lens,num_heads,num_kv_heads,head_dim,dtype,block_size", PREFILL_CASES
+)
+def test_prefill_matches_reference(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+) -> None:
+    query, _, _, kv_cache, meta = make_batch(
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size
+    )
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(
+        query,
+        kv_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        meta.max_query_len,
+    )
+    assert relative_error(out, reference_attention(query, kv_cache, meta, scale)) < TOLERANCE[dtype]
+
+
+def test_prefill_writes_every_row_of_a_long_prompt() -> None:
+    query, _, _, kv_cache, meta = make_batch([150], [150], 2, 2, 64, torch.float32)
+    out = torch.full_like(query, float("nan"))
+    paged_prefill_attention(
+        query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125, 150, out=out
+    )
+    assert not out.isnan().any()
+    assert relative_error(out, reference_attention(query, kv_cache, meta, 0.125)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_matches_torch_backend_on_mixed_batch(dtype: torch.dtype) -> None:
+    query_lens, seq_lens = [1, 24, 1, 6], [33, 24, 2, 70]
+    query, key, value, kv_cache, meta = make_batch(
+        query_lens, seq_lens, 8, 2, 64, dtype, padding_tokens=2
+    )
+    ref_cache = kv_cache.float().clone()
+    out = TritonAttentionBackend().forward(query, key, value, kv_cache, meta, 0.125)
+    ref = TorchAttentionBackend().forward(
+        query.float(), key.float(), value.float(), ref_cache, meta, 0.125
+    )
+    assert torch.equal(kv_cache.float(), ref_cache)
+    n = sum(query_lens)
+    assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_decode_matches_torch_backend(dtype: torch.dtype) -> None:
+    seq_lens = [1, 16, 17, 64, 100]
+    query, key, value, kv_cache, meta = make_batch([1] * 5, seq_lens, 8, 4, 64, dtype)
+    ref_cache = kv_cache.float().clone()
+    out = TritonAttentionBackend().forward(query, key, value, kv_cache, meta, 0.125)
+    ref = TorchAttentionBackend().forward(
+        query.float(), key.float(), value.float(), ref_cache, meta, 0.125
+    )
+    assert torch.equal(kv_cache.float(), ref_cache)
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@NEEDS_CUDA
+def test_backend_decode_replays_in_a_cuda_graph_as_sequences_grow() -> None:
+    grown = [25, 320, 37, 1020]
+    short = [s - 20 for s in grown]
+    query, key, value, kv_cache, meta = make_batch([1] * 4, grown, 16, 8, 128, torch.bfloat16)
+    table = meta.block_tables.cpu()
+
+    def last_slots(lens: list[int]) -> torch.Tensor:
+        slots = [int(table[r, (s - 1) // 16]) * 16 + (s - 1) % 16 for r, s in enumerate(lens)]
+        return torch.tensor(slots, device=DEVICE)
+
+    # captured with the short lengths (4 KV splits), replayed after every sequence grew
+    static = AttentionMetadata(
+        meta.query_start_loc,
+        torch.tensor(short, dtype=torch.int32, device=DEVICE),
+        meta.block_tables,
+        last_slots(short),
+        1,
+        max(short),
+        [1] * 4,
+        short,
+    )
+    backend = TritonAttentionBackend()
+    backend.forward(query, key, value, kv_cache, static, 0.088)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, kv_cache, static, 0.088)
+    static.seq_lens.copy_(meta.seq_lens)
+    static.slot_mapping.copy_(meta.slot_mapping)
+    for t in (query, key, value):
+        t.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference_attention(query, kv_cache, meta, 0.088)
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
