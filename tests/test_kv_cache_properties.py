@@ -112,52 +112,49 @@ ops_strategy = st.lists(
 )
 
 
+def can_never_run(request: Request, config: SchedulerConfig, manager: KVCacheManager) -> bool:
+    prompt_len = request.num_prompt_tokens
+    final_len = min(prompt_len + request.max_tokens, config.max_model_len)
+    most_computed = max(prompt_len, final_len - 1)
+    return (
+        prompt_len > config.max_model_len
+        or cdiv(most_computed, manager.block_size) > manager.num_blocks
+        or (not config.enable_chunked_prefill and most_computed > config.max_num_batched_tokens)
+    )
+
+
+configs = st.builds(
+    SchedulerConfig,
+    max_num_seqs=st.integers(1, 5),
+    max_num_batched_tokens=st.integers(3, 16),
+    max_model_len=st.sampled_from([12, 64, 64]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    enable_chunked_prefill=st.sampled_from([True, True, False]),
+    long_prefill_token_threshold=st.sampled_from([0, 0, 3]),
+)
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=ops_strategy,
+    config=configs,
     num_blocks=st.integers(4, 10),
     block_size=st.sampled_from([2, 4]),
-    max_num_seqs=st.integers(1, 5),
-    max_num_batched_tokens=st.integers(3, 16),
-    policy=st.sampled_from(["fcfs", "priority"]),
     enable_caching=st.booleans(),
     weak_hash=st.booleans(),
 )
 def test_scheduler_and_kv_cache_keep_their_invariants(
-    ops,
-    num_blocks,
-    block_size,
-    max_num_seqs,
-    max_num_batched_tokens,
-    policy,
-    enable_caching,
-    weak_hash,
+    ops, config, num_blocks, block_size, enable_caching, weak_hash
 ):
     with pytest.MonkeyPatch.context() as monkeypatch:
         if weak_hash:
             # four hash values in all: collisions all the time
             monkeypatch.setattr(kvm, "hash_block_tokens", lambda p, t: hash((p, t)) % 4)
-        run_ops(
-            ops,
-            num_blocks,
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-            policy,
-            enable_caching,
-        )
+        run_ops(ops, config, KVCacheManager(num_blocks, block_size, enable_caching))
 
 
-def run_ops(
-    ops, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, policy, enable_caching
-):
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=64,
-        policy=policy,
-    )
-    manager = KVCacheManager(num_blocks, block_size, enable_caching)
+def run_ops(ops, config: SchedulerConfig, manager: KVCacheManager) -> None:
+    num_blocks, block_size = manager.num_blocks, manager.block_size
     scheduler = Scheduler(config, manager)
     runner = FakeRunner(block_size)
     finished: list[Request] = []
@@ -192,7 +189,7 @@ def run_ops(
             try:
                 scheduler.add_request(request)
             except ValueError:
-                assert cdiv(len(prompt) + max_tokens - 1, block_size) > num_blocks
+                assert can_never_run(request, config, manager)
         elif op[0] == "step":
             do_step()
         elif op[0] == "abort_mid_step":
@@ -221,4 +218,7 @@ def run_ops(
         event("preempted")
     for request in finished:
         if request.status is RequestStatus.FINISHED_LENGTH_CAPPED:
-            assert request.num_output_tokens == request.max_tokens
+            assert (
+                request.num_output_tokens == request.max_tokens
+                or request.num_tokens >= config.max_model_len
+            )

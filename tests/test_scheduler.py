@@ -158,6 +158,13 @@ def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits():
     assert scheduler.num_waiting == 1
 
 
+def test_without_chunked_prefill_a_request_longer_than_the_budget_is_rejected():
+    scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        scheduler.add_request(make_request("a", 6, max_tokens=4))  # 9 tokens after preemption
+    scheduler.add_request(make_request("b", 6, max_tokens=3))
+
+
 def test_long_prefill_token_threshold_caps_a_chunk():
     scheduler = make_scheduler(long_prefill_token_threshold=5)
     scheduler.add_request(make_request("a", 12))

@@ -128,7 +128,7 @@ class BlockPool:
         block = self.cached_blocks.get(block_hash)
         if (
             block is None
-            
+            or block.parent_cache_id != parent_cache_id
             or block.token_ids != token_ids
         ):
             return None

@@ -33,11 +33,6 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be non-negative.")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
-                f" must be at least max_model_len ({self.max_model_len})."
-            )
 
 
 @dataclass
@@ -269,6 +264,15 @@ class Scheduler:
         final_len = min(num_prompt + request.max_tokens, self.config.max_model_len)
         # the last sampled token is never computed, so it needs no KV slot
         max_computed = max(num_prompt, final_len - 1)
+        if (
+            not self.config.enable_chunked_prefill
+            and max_computed > self.config.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"request {request.request_id!r} may need {max_computed} tokens in one step "
+                f"(without chunked prefill), over max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens})."
+            )
         num_blocks = cdiv(max_computed, self.kv_cache_manager.block_size)
         if num_blocks > self.kv_cache_manager.num_blocks:
             raise ValueError(
