@@ -12,8 +12,10 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# one dict per generated token: token id -> Logprob
+# one dict per generated token: token id -> Logprob (the chosen token first, then the top N)
 SampleLogprobs = list[dict[int, Logprob]]
+# one entry per prompt token; None for the first, which nothing predicts
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -42,3 +44,9 @@ class RequestOutput:
     # set when the request failed inside the engine
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Completion tokens over all outputs, for usage accounting."""
+        return sum(len(o.token_ids) for o in self.outputs)

@@ -44,6 +44,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved from sampling_params and the context length
     priority: int = 0
+    # token ids of each of sampling_params.bad_words, filled by the input processor
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -53,6 +55,7 @@ class Request:
     # tokens found in the prefix cache when first scheduled; -1 until then
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() of the first admission
     stop_reason: int | str | None = None
     # chained hashes of this request's full blocks, filled by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)

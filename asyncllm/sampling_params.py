@@ -1,4 +1,4 @@
-"""Per-request generation settings, validated on construction."""
+"""Per-request generation settings with vLLM's names, validated on construction."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.Enum):
@@ -17,10 +18,17 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # run this many samples, return the n most likely
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 or 0: all tokens
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -38,19 +46,36 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.logit_bias is not None:
+            self.logit_bias = _int_keys(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._validate()
 
     def _validate(self) -> None:
+        self._validate_counts()
+        self._validate_distribution()
+        self._validate_penalties()
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings.")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty.")
+        if self.bad_words is not None and any(not w for w in self.bad_words):
+            raise ValueError("bad_words must not contain empty strings.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be non-negative, got {value}.")
+
+    def _validate_counts(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
@@ -59,13 +84,53 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
             )
-        if any(not s for s in self.stop):
-            raise ValueError("stop must not contain empty strings.")
-        for name in ("logprobs", "prompt_logprobs"):
+
+    def _validate_distribution(self) -> None:
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be non-negative, got {value}.")
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}."
+            )
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias for token {token_id} must be in [-100, 100], got {bias}."
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """Samples the engine runs for this request: best_of when set, else n."""
+        return self.best_of or self.n
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _int_keys(logit_bias: dict) -> dict[int, float]:
+    """OpenAI sends logit_bias keys as strings of token ids."""
+    try:
+        return {int(k): float(v) for k, v in logit_bias.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e

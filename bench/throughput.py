@@ -1,9 +1,12 @@
 """Offline throughput: asyncllm against Hugging Face transformers, measured in the same run.
 
 Workload: N requests whose prompt and output lengths are each uniform in [min_len, max_len]
-(seed 0), random token ids, ignore_eos. The peer is HF `generate` as its users run it: static
-batches, left-padded, each batch run to its longest output, only requested tokens counted.
-Also prints the compute floor: model FLOPs of all tokens over a matmul rate measured now.
+(seed 0), random token ids, ignore_eos. The peer is HF transformers as its users run it: on CPU
+`generate` in static batches (left-padded, each batch run to its longest output, only requested
+tokens counted); on CUDA continuous batching (`continuous_batching_context_manager`, CUDA graphs).
+The floor is the workload's physical limit from rates measured in the same run: on CPU all FLOPs
+at the matmul rate; on CUDA prefill FLOPs at the matmul rate plus, for each decode step, the
+weights and every live request's KV read once at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import platform
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,30 +27,17 @@ import transformers
 from asyncllm import LLM, SamplingParams
 from asyncllm.models.model_path import resolve_model_path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import SHAPES, write_shape  # noqa: E402
 
-def make_workload(
-    n: int, min_len: int, max_len: int, vocab: int, seed: int
-) -> list[tuple[list[int], int]]:
+Workload = list[tuple[list[int], int]]
+
+
+def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> Workload:
     rng = random.Random(seed)
     lengths = [(rng.randint(min_len, max_len), rng.randint(min_len, max_len)) for _ in range(n)]
     # ids from the ordinary vocabulary range, avoiding the special tokens at the start
     return [([rng.randint(100, vocab - 1) for _ in range(p)], o) for p, o in lengths]
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a square matmul, best of several runs."""
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(5):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        _sync(device)
-        best = min(best, (time.perf_counter() - start) / 10)
-    return 2 * n**3 / best
 
 
 def _sync(device: torch.device) -> None:
@@ -54,50 +45,126 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def workload_flops(
-    config: transformers.PretrainedConfig, workload: list[tuple[list[int], int]]
-) -> float:
-    """2 FLOPs per weight per token (embedding lookups excluded, lm_head included) + attention."""
-    h, layers = config.hidden_size, config.num_hidden_layers
+def _best_time(fn, device: torch.device, repeats: int = 5, inner: int = 10) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _best_time(lambda: a @ b, device)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / _best_time(lambda: dst.copy_(src), device)
+
+
+def _geometry(config: transformers.PretrainedConfig) -> tuple[int, int, int, int]:
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", heads)
-    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, kv_heads, head_dim
+
+
+def weight_count(config: transformers.PretrainedConfig) -> int:
+    """Weights touched per token: all layers and the lm_head (embedding lookups excluded)."""
+    layers, heads, kv_heads, head_dim = _geometry(config)
+    h = config.hidden_size
     per_layer = h * head_dim * (2 * heads + 2 * kv_heads) + 3 * h * config.intermediate_size
-    weights = layers * per_layer + h * config.vocab_size
-    total = 0.0
-    for prompt, out in workload:
-        tokens = len(prompt) + out
-        # each token attends to all before it: QK^T and PV, 4 * head_dim FLOPs per head per pair
-        attention = layers * 4 * heads * head_dim * tokens * (tokens + 1) / 2
-        total += 2 * weights * tokens + attention
-    return total
+    return layers * per_layer + h * config.vocab_size
 
 
-def run_asyncllm(model: str | None, workload, args) -> tuple[float, int]:
+def token_flops(config: transformers.PretrainedConfig, context: int) -> float:
+    """FLOPs of one token attending to `context` earlier tokens: 2 per weight + QK^T and PV."""
+    layers, heads, _, head_dim = _geometry(config)
+    return 2 * weight_count(config) + layers * 4 * heads * head_dim * context
+
+
+def cpu_floor_seconds(config, workload: Workload, matmul: float) -> float:
+    flops = sum(token_flops(config, t) for p, o in workload for t in range(len(p) + o))
+    return flops / matmul
+
+
+def gpu_floor_seconds(
+    config, workload: Workload, matmul: float, copy: float, dtype_bytes: int
+) -> float:
+    """Prefill at the matmul rate; decode steps in lockstep, each reading weights + live KV."""
+    layers, _, kv_heads, head_dim = _geometry(config)
+    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    weights = weight_count(config) * dtype_bytes
+    prefill = sum(token_flops(config, t) for p, _ in workload for t in range(len(p)))
+    seconds = prefill / matmul
+    for step in range(max(o for _, o in workload)):
+        live = [len(p) + step for p, o in workload if o > step]
+        seconds += (weights + kv_per_token * sum(live)) / copy
+    return seconds
+
+
+def run_asyncllm(model: str, workload: Workload, args) -> dict:
     llm = LLM(
         model=model,
         load_format=args.load_format,
-        dtype=args.dtype,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
     )
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(o for _, o in workload), "asyncllm did not produce every requested token"
-    return elapsed, produced
+    result = {"seconds": elapsed, "output_tokens_per_s": produced / elapsed}
+    if args.single_stream:
+        result["single_stream"] = single_stream(llm, workload[0][0][:128], 256)
+    return result
+
+
+def single_stream(llm: LLM, prompt: list[int], n: int) -> dict:
+    """Batch-1 decode: 128-token prompt, n output tokens; decode tokens/s after the first."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    total = time.perf_counter() - start
+    return {
+        "prompt_tokens": len(prompt),
+        "output_tokens": n,
+        "seconds": total,
+        "decode_tokens_per_s": (n - 1) / (total - first),
+    }
+
+
+def load_hf(path: Path, dummy: bool, dtype: torch.dtype, device: torch.device):
+    if dummy:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()
-def run_hf(
-    path: Path, workload, batch_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[float, int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+def run_hf_static(model, workload: Workload, batch_size: int, device: torch.device) -> dict:
     start = time.perf_counter()
     for i in range(0, len(workload), batch_size):
         batch = workload[i : i + batch_size]
@@ -116,48 +183,100 @@ def run_hf(
             pad_token_id=0,
         )
     _sync(device)
-    return time.perf_counter() - start, sum(o for _, o in workload)
+    elapsed = time.perf_counter() - start
+    return {
+        "kind": f"generate, static batches of {batch_size}",
+        "seconds": elapsed,
+        "output_tokens_per_s": sum(o for _, o in workload) / elapsed,
+    }
+
+
+@torch.inference_mode()
+def run_hf_continuous(model, workload: Workload) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching import ContinuousBatchingConfig
+
+    model.set_attn_implementation("paged|sdpa")
+    generation = GenerationConfig(
+        do_sample=False, eos_token_id=-1, max_new_tokens=max(o for _, o in workload)
+    )
+    cb = ContinuousBatchingConfig(
+        block_size=256, num_blocks=2400, max_batch_tokens=4096, use_cuda_graph=True
+    )
+    with model.continuous_batching_context_manager(
+        generation_config=generation, continuous_batching_config=cb
+    ) as manager:
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(workload):
+            manager.add_request(prompt, request_id=f"req_{i}", max_new_tokens=n)
+        produced, finished = 0, 0
+        while finished < len(workload):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finished += 1
+                produced += len(result.generated_tokens)
+        elapsed = time.perf_counter() - start
+    return {
+        "kind": "continuous batching (paged|sdpa, CUDA graphs)",
+        "seconds": elapsed,
+        "output_tokens": produced,
+        "output_tokens_per_s": produced / elapsed,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="HF folder or GGUF (default: SmolLM2-135M)")
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), help="a benchmark shape with dummy weights"
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--single-stream", action="store_true", help="also time batch-1 decode")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
 
-    path = resolve_model_path(args.model)
+    if args.shape:
+        path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
+        args.load_format = "dummy"
+    else:
+        path = resolve_model_path(args.model)
+        args.load_format = "auto"
     config = transformers.AutoConfig.from_pretrained(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     workload = make_workload(
         args.num_requests, args.min_len, args.max_len, config.vocab_size, args.seed
     )
-
-    rate = matmul_rate(device, dtype)
-    flops = workload_flops(config, workload)
     output_tokens = sum(o for _, o in workload)
-    floor = output_tokens / (flops / rate)
+
+    rates = {"matmul_flops_per_s": matmul_rate(device, dtype)}
+    if device.type == "cuda":
+        rates["copy_bytes_per_s"] = copy_bandwidth(device)
+        floor_s = gpu_floor_seconds(
+            config, workload, rates["matmul_flops_per_s"], rates["copy_bytes_per_s"], 2
+        )
+    else:
+        floor_s = cpu_floor_seconds(config, workload, rates["matmul_flops_per_s"])
+    floor = output_tokens / floor_s
     print(
-        f"matmul rate {rate / 1e9:.1f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP; "
-        f"compute floor {floor:.1f} output tokens/s"
+        f"rates {json.dumps({k: f'{v:.3g}' for k, v in rates.items()})}; floor {floor:.1f} output tokens/s"
     )
 
-    elapsed, produced = run_asyncllm(args.model, workload, args)
-    ours = produced / elapsed
+    ours = run_asyncllm(str(path), workload, args)
     print(
-        f"asyncllm: {produced} tokens in {elapsed:.1f} s = {ours:.1f} output tokens/s "
-        f"({ours / floor:.0%} of the compute floor)"
+        f"asyncllm: {ours['output_tokens_per_s']:.1f} output tokens/s "
+        f"({ours['output_tokens_per_s'] / floor:.0%} of the floor)"
     )
     result = {
         "benchmark": "throughput",
@@ -165,14 +284,15 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
         "device": torch.cuda.get_device_name()
         if device.type == "cuda"
-        else platform.processor() or "cpu",
+        else f"cpu ({platform.machine()})",
         "cpu_threads": torch.get_num_threads(),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
-        "model": str(path),
+        "model": args.shape or str(path),
+        "dtype": str(dtype),
         "workload": {
             "num_requests": args.num_requests,
             "min_len": args.min_len,
@@ -181,24 +301,30 @@ def main() -> None:
             "prompt_tokens": sum(len(p) for p, _ in workload),
             "output_tokens": output_tokens,
         },
-        "matmul_flops_per_s": rate,
-        "workload_flops": flops,
+        "rates": rates,
         "floor_output_tokens_per_s": floor,
-        "asyncllm": {"seconds": elapsed, "output_tokens_per_s": ours},
+        "asyncllm": ours,
+        "fraction_of_floor": ours["output_tokens_per_s"] / floor,
     }
+    if "single_stream" in ours:
+        layers_bytes = weight_count(config) * (2 if device.type == "cuda" else 4)
+        bandwidth = rates.get("copy_bytes_per_s")
+        if bandwidth:
+            result["single_stream_floor_tokens_per_s"] = bandwidth / layers_bytes
+        print(f"single stream: {ours['single_stream']['decode_tokens_per_s']:.1f} tokens/s")
     if not args.no_peer:
-        hf_elapsed, hf_tokens = run_hf(path, workload, args.hf_batch_size, dtype, device)
-        hf = hf_tokens / hf_elapsed
-        print(
-            f"HF transformers generate (static batches of {args.hf_batch_size}): "
-            f"{hf:.1f} output tokens/s; asyncllm / HF = {ours / hf:.2f}x"
+        model = load_hf(path, args.shape is not None, dtype, device)
+        peer = (
+            run_hf_continuous(model, workload)
+            if device.type == "cuda"
+            else run_hf_static(model, workload, args.hf_batch_size, device)
         )
-        result["hf_generate"] = {
-            "seconds": hf_elapsed,
-            "output_tokens_per_s": hf,
-            "batch_size": args.hf_batch_size,
-        }
-        result["speedup_vs_hf"] = ours / hf
+        result["hf_transformers"] = peer
+        result["speedup_vs_hf"] = ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        print(
+            f"HF transformers ({peer['kind']}): {peer['output_tokens_per_s']:.1f} output tokens/s; "
+            f"asyncllm / HF = {result['speedup_vs_hf']:.2f}x"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -57,7 +57,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of full blocks and its length in tokens; changes nothing."""
-        if not self.enable_caching:
+        # prompt logprobs need logits at every prompt position, so nothing may be skipped
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         # the last token is always recomputed so that there are logits to sample from

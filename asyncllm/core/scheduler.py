@@ -6,6 +6,7 @@ up to its num_tokens, running requests first (in order), then waiting ones (in q
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -220,6 +221,7 @@ class Scheduler:
         self.waiting.pop()
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
+            request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncllm.request import Request
+from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
 
 
 @dataclass
@@ -44,5 +45,18 @@ class ModelRunnerOutput:
     # one entry per scheduled request, in the scheduled order; None where no token was sampled
     # (a prefill chunk that does not reach the end of the prompt)
     sampled_token_ids: list[int | None]
-    # per sampled request, {token_id: logprob} of the chosen token and the top-N, or None
-    logprobs: list[dict[int, float] | None] | None = None
+    # one entry per scheduled request, where it sampled a token and asked for logprobs
+    logprobs: list[TokenLogprobs | None] | None = None
+    # request id -> logprobs of the prompt tokens scored this step (prompt_logprobs)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+    def set_sampled(
+        self, rows: list[int], token_ids: list[int], logprobs: list[TokenLogprobs | None] | None
+    ) -> None:
+        """Places the sampler's per-row results at their scheduled indices."""
+        for row, token_id in zip(rows, token_ids):
+            self.sampled_token_ids[row] = token_id
+        if logprobs is not None:
+            self.logprobs = [None] * len(self.sampled_token_ids)
+            for row, entry in zip(rows, logprobs):
+                self.logprobs[row] = entry

@@ -61,8 +61,8 @@ class AsyncLLM:
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.collectors[request_id] = collector
-        self.engine.output_processor.add_request(request, text, collector)
-        self.engine.core.add_request(request)
+        for engine_request in self.engine.output_processor.add_request(request, text, collector):
+            self.engine.core.add_request(engine_request)
         self._ensure_engine_task()
         self._wake.set()
         finished = False
@@ -77,10 +77,10 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed before the next step is scheduled."""
-        self.engine.output_processor.abort([request_id])
+        """Stop a request (all its parallel samples); its blocks are freed before the next step."""
+        engine_ids = self.engine.output_processor.abort([request_id])
         self.collectors.pop(request_id, None)
-        self._pending_aborts.add(request_id)
+        self._pending_aborts.update(engine_ids)
         self._wake.set()
 
     def check_health(self) -> None:
@@ -112,6 +112,8 @@ class AsyncLLM:
                     continue
                 processed = self.engine.output_processor.process(await core.step_async())
                 core.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
+                for request in processed.new_requests:
+                    core.add_request(request)
                 await asyncio.sleep(0)  # let consumers run between steps
         except asyncio.CancelledError:
             raise

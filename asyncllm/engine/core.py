@@ -11,6 +11,7 @@ from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.request import Request, RequestStatus
+from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
 from asyncllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    new_prompt_logprobs: PromptLogprobs | None = None
 
 
 class EngineCore:
@@ -77,9 +80,12 @@ class EngineCore:
             r.request_id for r in self.scheduler.update_from_output(scheduler_output, runner_output)
         }
         outputs = []
-        for s, token_id in zip(scheduler_output.scheduled, runner_output.sampled_token_ids):
+        logprobs = runner_output.logprobs or [None] * len(scheduler_output.scheduled)
+        steps = zip(scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs)
+        for s, token_id, token_logprobs in steps:
             request = s.request
-            if token_id is None and request.request_id not in finished:
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            if token_id is None and prompt_logprobs is None and request.request_id not in finished:
                 continue
             outputs.append(
                 EngineCoreOutput(
@@ -88,6 +94,8 @@ class EngineCore:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    new_logprobs=None if token_logprobs is None else [token_logprobs],
+                    new_prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs

@@ -54,6 +54,7 @@ class InputProcessor:
             eos_token_ids=self.model_config.eos_token_ids,
             max_tokens=max_tokens,
             priority=priority,
+            bad_words_token_ids=self._tokenize_bad_words(params.bad_words or []),
         )
         return request, text
 
@@ -90,7 +91,32 @@ class InputProcessor:
                 f"prompt is {len(token_ids)} tokens long; the maximum model length is {limit}, "
                 "which must leave room for at least one generated token."
             )
-        if params.logprobs is not None and params.logprobs > self.model_config.max_logprobs:
-            raise ValueError(
-                f"logprobs must be at most {self.model_config.max_logprobs}, got {params.logprobs}."
-            )
+        self._validate_sampling(params)
+
+    def _validate_sampling(self, params: SamplingParams) -> None:
+        """The checks that need the model: the logprobs limit and the vocabulary size."""
+        limit = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be at most {limit} (max_logprobs), got {value}.")
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            ids = getattr(params, name) or []
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}."
+                )
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer.")
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word as it reads alone and after a space (vLLM does the same): BPE tokenizers
+        give the two different ids."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for variant in dict.fromkeys([word, " " + word.lstrip(" ")]):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences

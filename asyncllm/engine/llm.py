@@ -72,8 +72,8 @@ class LLM:
             for prompt, p, prio in zip(prompts, params, priorities)
         ]
         for request, text in requests:
-            self.engine.output_processor.add_request(request, text)
-            self.engine.core.add_request(request)
+            for engine_request in self.engine.output_processor.add_request(request, text):
+                self.engine.core.add_request(engine_request)
         return self._run_to_completion([r.request_id for r, _ in requests], use_tqdm)
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -83,6 +83,8 @@ class LLM:
             while core.has_unfinished_requests():
                 processed = output_processor.process(core.step())
                 core.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
+                for request in processed.new_requests:
+                    core.add_request(request)
                 for output in processed.request_outputs:
                     finished[output.request_id] = output
                     bar.update(1)

@@ -1,7 +1,13 @@
-"""Batched sampling on the device: greedy and temperature, per-request seeds.
+"""Batched sampling on the device: every request's own settings in one pass over [B, V].
 
-Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A seeded request
-draws its E from its own generator, so its tokens do not depend on the rest of the batch.
+Order, as in vLLM V1: allowed-token mask, banned tokens (bad words, min_tokens), logit bias,
+penalties; greedy rows take the argmax there. Sampled rows go on: temperature, min-p, top-k,
+top-p, then the exponential race, argmax(p / E) with E ~ Exp(1), which draws from p. A seeded
+request draws its E from its own generator, so its tokens do not depend on the rest of the batch.
+
+logprobs_mode follows vLLM: "raw_logprobs" (the default) reports log_softmax of the model's
+logits before any processing; "processed_logprobs" reports the distribution actually sampled
+from (after penalties, temperature and the top-k/top-p/min-p masks).
 """
 
 from __future__ import annotations
@@ -10,49 +16,185 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sample.logprobs import LogprobsTensors, TokenLogprobs
+from asyncllm.sample.metadata import Penalties, SamplingMetadata
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+# top-p looks for its cutoff among this many of a row's largest logits before sorting them all
+TOP_P_CANDIDATES = 1024
 
 
 @dataclass
-class SamplingMetadata:
-    temperature: torch.Tensor  # float32 [B]; 1.0 where greedy (unused there)
-    greedy: torch.Tensor  # bool [B]
-    all_greedy: bool
-    generators: dict[int, torch.Generator]  # batch row -> generator of a seeded request
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [B]
+    logprobs: LogprobsTensors | None  # when some row asked for logprobs
 
-    @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        generators: dict[int, torch.Generator],
-        device: torch.device,
-    ) -> SamplingMetadata:
-        greedy = [p.greedy for p in params]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            generators=generators,
-        )
+    def to_host(
+        self, meta: SamplingMetadata
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        token_ids = self.sampled_token_ids.tolist()
+        if self.logprobs is None:
+            return token_ids, None
+        return token_ids, self.logprobs.to_host().rows(token_ids, meta.num_logprobs)
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [B, V] float32 -> sampled token ids [B] int64."""
-        greedy_ids = logits.argmax(dim=-1)
-        if meta.all_greedy:
-            return greedy_ids
-        probs = torch.softmax(logits / meta.temperature[:, None], dim=-1)
-        noise = self._exponential_noise(probs, meta.generators)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(meta.greedy, greedy_ids, sampled)
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}."
+            )
+        self.logprobs_mode = logprobs_mode
 
-    @staticmethod
-    def _exponential_noise(
-        probs: torch.Tensor, generators: dict[int, torch.Generator]
-    ) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in generators.items():
-            noise[row].exponential_(generator=generator)
-        return noise
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits [B, V] float32, modified in place -> sampled ids and requested logprobs."""
+        logits = logits.contiguous()  # the sparse updates address it as one flat vector
+        source = None  # the distribution logprobs are reported from
+        if meta.max_num_logprobs is not None and self.logprobs_mode == "raw_logprobs":
+            source = torch.log_softmax(logits, dim=-1)
+        logits = apply_logits_processors(logits, meta)
+        sampled = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            logits = apply_temperature_and_masks(logits, meta)
+        if meta.max_num_logprobs is not None and source is None:
+            source = torch.log_softmax(logits, dim=-1)
+        if not meta.all_greedy:
+            random = sample_exponential_race(logits, meta.generators)
+            sampled = torch.where(meta.greedy, sampled, random)
+        logprobs = None
+        if source is not None:
+            logprobs = LogprobsTensors.gather(source, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The processors that can change the argmax, so greedy rows see them too. Sparse updates
+    go through flat (row * V + token) keys and index_select / index_add_, which on CPU run
+    far faster than advanced indexing."""
+    vocab = logits.shape[-1]
+    flat = logits.view(-1)
+    if meta.allowed is not None:
+        restricted = torch.zeros_like(logits, dtype=torch.bool)
+        restricted.index_fill_(0, meta.allowed_rows, True)
+        restricted.view(-1).index_fill_(0, meta.allowed.keys(vocab), False)
+        logits.masked_fill_(restricted, float("-inf"))
+    if meta.banned is not None:
+        flat.index_fill_(0, meta.banned.keys(vocab), float("-inf"))
+    if meta.logit_bias is not None:
+        flat.index_add_(0, meta.logit_bias.keys(vocab), meta.logit_bias.values)
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """repetition (HF: over prompt and output, divide positive logits, multiply negative ones),
+    then frequency (minus penalty x count) and presence (minus penalty once) over the output.
+    Works on the (row, token) pairs that occur, never on the whole [B, V]."""
+    vocab = logits.shape[-1]
+    flat = logits.view(-1)
+    out_keys = p.output_tokens.keys(vocab)
+    present = out_keys.unique()
+    if p.prompt_tokens is not None:
+        seen = torch.cat([out_keys, p.prompt_tokens.keys(vocab)]).unique()
+        values = flat.index_select(0, seen)
+        factor = p.repetition.index_select(0, seen // vocab)
+        flat.index_copy_(0, seen, torch.where(values > 0, values / factor, values * factor))
+    flat.index_add_(0, out_keys, p.frequency.index_select(0, p.output_tokens.rows).neg_())
+    flat.index_add_(0, present, p.presence.index_select(0, present // vocab).neg_())
+    return logits
+
+
+def apply_temperature_and_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    logits = logits.div_(meta.temperature[:, None])
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = apply_top_k_top_p(
+            logits, meta.top_k, meta.top_p, meta.max_top_k, meta.top_k_everywhere
+        )
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens with p < min_p * p_max, compared in log space: no softmax needed."""
+    floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill_(logits < floor, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int,
+    top_k_everywhere: bool = False,
+) -> torch.Tensor:
+    """Keeps each row's top_k tokens (0: all), then the fewest most likely of those whose mass
+    reaches top_p. Both come down to a smallest kept logit per row, found among the row's
+    largest logits (torch.topk) rather than a sort of the whole vocabulary; when some row's
+    top-p mass reaches past those candidates, a full sort decides. Ties with the smallest kept
+    logit are kept too."""
+    vocab = logits.shape[-1]
+    width = max_top_k if top_p is None else max(max_top_k, TOP_P_CANDIDATES)
+    total = None
+    if top_p is not None and not top_k_everywhere:
+        total = _log_total(logits)
+    cutoff = _smallest_kept_logit(logits, top_k, top_p, total, min(width, vocab))
+    if cutoff is None:
+        cutoff = _smallest_kept_logit(logits, top_k, top_p, total, vocab)
+    return logits.masked_fill_(logits < cutoff, float("-inf"))
+
+
+def _log_total(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over each row (torch.logsumexp takes several passes more on CPU)."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    return (logits - peak).exp_().sum(dim=-1, keepdim=True).log_().add_(peak)
+
+
+def _smallest_kept_logit(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    total: torch.Tensor | None,
+    width: int,
+) -> torch.Tensor | None:
+    """[B, 1] cutoffs from the `width` largest logits; None if top-p needs more of them.
+    total: each row's logsumexp, needed by top-p on rows without a top_k."""
+    vocab = logits.shape[-1]
+    if width < vocab:
+        ordered = logits.topk(width, dim=-1).values
+    else:
+        ordered = logits.sort(dim=-1, descending=True).values
+    cutoff = torch.full_like(ordered[:, :1], float("-inf"))
+    restricted = torch.zeros_like(cutoff, dtype=torch.bool)
+    if top_k is not None:
+        restricted = (top_k > 0)[:, None]
+        k = torch.where(restricted, top_k[:, None], width).clamp(max=width)
+        cutoff = torch.where(restricted, ordered.gather(1, k - 1), cutoff)
+        ordered.masked_fill_(torch.arange(width, device=logits.device) >= k, float("-inf"))
+    if top_p is None:
+        return cutoff
+    # probabilities among the kept tokens: the top k, or the whole row
+    if top_k is not None:
+        kept_total = _log_total(ordered)
+        total = kept_total if total is None else torch.where(restricted, kept_total, total)
+    probs = (ordered - total).exp_()
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True)
+    active = (top_p < 1.0)[:, None]
+    if width < vocab and bool((active & ~restricted & (num_kept >= width)).any()):
+        return None
+    p_cutoff = ordered.gather(1, num_kept.clamp(1, width) - 1)
+    return torch.where(active, torch.maximum(cutoff, p_cutoff), cutoff)
+
+
+def sample_exponential_race(
+    logits: torch.Tensor, generators: dict[int, torch.Generator]
+) -> torch.Tensor:
+    """argmax(p / E) with E = -log(U) ~ Exp(1), taken in log space as argmax(logit - log E):
+    the softmax's normalizer cancels, so there is no softmax pass. Consumes the logits."""
+    noise = torch.empty_like(logits).uniform_()
+    for row, generator in generators.items():
+        noise[row].uniform_(generator=generator)
+    # U in [0, 1): log E in (-inf, inf], so a masked token (-inf) never wins
+    return logits.sub_(noise.log_().neg_().log_()).argmax(dim=-1)

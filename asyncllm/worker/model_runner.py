@@ -15,7 +15,9 @@ from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.models.loader import load_model
-from asyncllm.sample.sampler import Sampler, SamplingMetadata
+from asyncllm.sample.logprobs import PromptSpan, compute_prompt_logprobs, prompt_span
+from asyncllm.sample.metadata import SamplingMetadata, TokenHistory
+from asyncllm.sample.sampler import Sampler
 
 _CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
@@ -28,6 +30,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # last row of every request that samples this step
     sampling_rows: list[int]  # scheduled index of each logits row
+    prompt_spans: list[PromptSpan]  # prompt positions to score, for prompt_logprobs
 
 
 def make_attention_backend(name: str) -> AttentionBackend:
@@ -52,8 +55,9 @@ class ModelRunner:
         )
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
         self.generators: dict[str, torch.Generator] = {}
+        self.token_history = TokenHistory()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-runner")
 
     def execute(
@@ -69,15 +73,16 @@ class ModelRunner:
         self._forget(scheduler_output.finished_req_ids)
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        sampled: list[int | None] = [None] * len(scheduler_output.scheduled)
+        output = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduler_output.scheduled))
         if inputs.sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            ids = self.sampler(
-                logits, self._sampling_metadata(scheduler_output, inputs.sampling_rows)
+            meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
+            output.set_sampled(inputs.sampling_rows, *self.sampler(logits, meta).to_host(meta))
+        if inputs.prompt_spans:
+            output.prompt_logprobs = compute_prompt_logprobs(
+                hidden, inputs.prompt_spans, self.model.compute_logits
             )
-            for row, token_id in zip(inputs.sampling_rows, ids.tolist()):
-                sampled[row] = token_id
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        return output
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         input_ids: list[int] = []
@@ -88,8 +93,11 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling_rows: list[int] = []
+        prompt_spans: list[PromptSpan] = []
         bs = self.block_size
         for row, s in enumerate(scheduler_output.scheduled):
+            if (scored := prompt_span(s, len(input_ids))) is not None:
+                prompt_spans.append(scored)
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             input_ids += s.request.all_token_ids[start:end]
             span = range(start, end)
@@ -108,6 +116,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=self._tensor(logits_indices, torch.int64),
             sampling_rows=sampling_rows,
+            prompt_spans=prompt_spans,
         )
 
     def _attention_metadata(
@@ -138,9 +147,7 @@ class ModelRunner:
             seed = request.sampling_params.seed
             if seed is not None and not request.sampling_params.greedy:
                 generators[i] = self._generator(request.request_id, seed)
-        return SamplingMetadata.build(
-            [r.sampling_params for r in requests], generators, self.device
-        )
+        return SamplingMetadata.build(requests, generators, self.device, self.token_history)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         if request_id not in self.generators:
@@ -148,6 +155,7 @@ class ModelRunner:
         return self.generators[request_id]
 
     def _forget(self, request_ids: set[str]) -> None:
+        self.token_history.forget(request_ids)
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+import kernels
+
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Stretch low frequencies by `factor`, keep high ones, blend in between (Llama 3.1)."""
@@ -56,6 +58,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(q, positions, self.cos_sin_cache), apply_rotary(
-            k, positions, self.cos_sin_cache
-        )
+        """On CUDA the Triton kernel rotates q and k in place."""
+        if q.is_cuda:
+            return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        cache = self.cos_sin_cache
+        return apply_rotary(q, positions, cache), apply_rotary(k, positions, cache)

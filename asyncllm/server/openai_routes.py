@@ -1,0 +1,462 @@
+"""The OpenAI endpoints: completions, chat completions, models, tokenize, detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from inspect import signature
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from transformers import PreTrainedTokenizerBase
+
+from asyncllm.engine.input_processor import PromptType
+from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
+from asyncllm.server import protocol
+from asyncllm.server.protocol import GenerationRequest, ProtocolError
+from asyncllm.server.streaming import (
+    ChunkStream,
+    json_response,
+    merge_streams,
+    serve_websocket,
+    write_sse,
+)
+
+if TYPE_CHECKING:
+    from asyncllm.server.app import Admission, ServerState
+
+REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, or a fresh one
+RESPONSE_ID = web.RequestKey("response_id", str)  # the completion's id, for the access log
+_PARSERS = {"completions": protocol.parse_completion, "chat": protocol.parse_chat}
+# WebSocket frames may name the endpoint by its path too
+_ENDPOINTS = {
+    "chat": "chat",
+    "chat.completions": "chat",
+    "/v1/chat/completions": "chat",
+    "completions": "completions",
+    "/v1/completions": "completions",
+}
+_MISSING_LOGPROB = -9999.0  # vLLM's stand-in for a token outside the returned top-N
+MAX_CHOICES = 128  # prompts x samples in one request: each is an engine request
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ProtocolError(
+            e.text or "the request body is too large.",
+            status=413,
+            code="request_too_large",
+        ) from e
+    return protocol.decode_json_body(raw)
+
+
+class OpenAIRoutes:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def websocket(self, request: web.Request) -> web.StreamResponse:
+        return await serve_websocket(
+            request, self.open_stream, self.state.args.max_request_body_bytes
+        )
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        req = self._parse(endpoint, await read_json(request))
+        with self.state.admit(req.timeout) as admission:
+            response_id = _response_id(req)
+            request[RESPONSE_ID] = response_id
+            if req.stream:
+                return await write_sse(request, self._chunks(req, response_id, admission))
+            return json_response(await self._complete(req, response_id, admission))
+
+    async def open_stream(self, endpoint: str, body: dict[str, Any]) -> ChunkStream:
+        """One WebSocket request: parse, admit, stream (errors surface on the first read)."""
+        if endpoint not in _ENDPOINTS:
+            raise ProtocolError(
+                "endpoint must be 'chat' or 'completions'.", status=404, param="endpoint"
+            )
+        req = self._parse(_ENDPOINTS[endpoint], body)
+        with self.state.admit(req.timeout) as admission:
+            async with aclosing(self._chunks(req, _response_id(req), admission)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    def _parse(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest:
+        req = _PARSERS[endpoint](body)
+        if req.model is not None and req.model not in self.state.model_names:
+            raise ProtocolError(
+                f"The model `{req.model}` does not exist.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        if req.num_choices > MAX_CHOICES:
+            raise ProtocolError(
+                f"a request may ask for at most {MAX_CHOICES} choices (prompts times n or "
+                f"best_of); this one asks for {req.num_choices}.",
+                param="n",
+            )
+        self._check_prompt_chars(req)
+        self._check_chat_template_kwargs(req.chat_template_kwargs)
+        return req
+
+    def _check_prompt_chars(self, req: GenerationRequest) -> None:
+        limit = self.state.max_prompt_chars
+        if req.kind == "chat":
+            texts = [sum(len(m["content"]) for m in req.messages or [])]
+        else:
+            texts = [len(p) for p in req.prompts if isinstance(p, str)]
+        if limit is not None and max(texts, default=0) > limit:
+            raise ProtocolError(
+                f"the prompt is {max(texts)} characters long; at most {limit} can fit in the "
+                f"maximum model length ({self.engine.engine.config.model.max_model_len}).",
+                param="messages" if req.kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+
+    def _check_chat_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Template variables only: no template from the request unless trusted (templates are
+        sandboxed, yet one can loop for ever), no tokenizer options."""
+        refused = sorted(kwargs.keys() & _TEMPLATE_CALL_OPTIONS)
+        if self.state.args.trust_request_chat_template:
+            refused = [k for k in refused if k != "chat_template"]
+        if refused:
+            raise ProtocolError(
+                f"chat_template_kwargs may not set {', '.join(refused)}.",
+                param="chat_template_kwargs",
+            )
+
+    async def _outputs(
+        self, req: GenerationRequest, response_id: str, admission: Admission
+    ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+        """(prompt index, output) of every prompt's engine request; None on keep-alive ticks."""
+        prompts = req.prompts if req.kind == "completion" else [self._render_chat(req)]
+        ids = [
+            f"{response_id}-{i}" if len(prompts) > 1 else response_id for i in range(len(prompts))
+        ]
+        streams = [self._engine_stream(p, req, i) for p, i in zip(prompts, ids)]
+        admission.engine_ids = ids
+        keepalive = self.state.args.keepalive_interval
+        merged = merge_streams(streams, keepalive, admission.cutoff)
+        async with aclosing(merged):
+            async for item in merged:
+                yield item
+
+    async def _engine_stream(
+        self, prompt: PromptType, req: GenerationRequest, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        tracker = self.state.metrics.tracker()
+        outputs = self.engine.generate(
+            prompt, req.params, request_id, req.priority, req.add_special_tokens
+        )
+        try:
+            async with aclosing(outputs):
+                async for output in outputs:
+                    tracker.observe(output)
+                    if output.error is not None:
+                        raise ProtocolError(output.error, status=500, type="internal_server_error")
+                    yield output
+        except ValueError as e:  # the input processor's validation
+            raise protocol.from_value_error(e) from e
+
+    def _render_chat(self, req: GenerationRequest) -> str:
+        try:
+            return self.engine.engine.input_processor.apply_chat_template(
+                req.messages, **req.chat_template_kwargs
+            )
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(str(e), param="messages") from e
+
+    async def _chunks(
+        self, req: GenerationRequest, response_id: str, admission: Admission
+    ) -> ChunkStream:
+        builder = ChunkBuilder(req, response_id, self.state.model_name, self.tokenizer)
+        async with aclosing(self._outputs(req, response_id, admission)) as outputs:
+            async for item in outputs:
+                if item is None:
+                    yield None
+                    continue
+                for chunk in builder.chunks(*item):
+                    yield chunk
+        if req.include_usage:
+            yield builder.usage_chunk()
+
+    async def _complete(
+        self, req: GenerationRequest, response_id: str, admission: Admission
+    ) -> dict[str, Any]:
+        finals: dict[int, RequestOutput] = {}
+        async with aclosing(self._outputs(req, response_id, admission)) as outputs:
+            async for item in outputs:
+                if item is not None:
+                    finals[item[0]] = item[1]
+        builder = ChunkBuilder(req, response_id, self.state.model_name, self.tokenizer)
+        return builder.response([finals[i] for i in sorted(finals)])
+
+    # -- the rest of the API -----------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        config = self.engine.engine.config.model
+        model = {
+            "id": self.state.model_name,
+            "object": "model",
+            "created": self.state.started,
+            "owned_by": "asyncllm",
+            "root": str(config.path),
+            "parent": None,
+            "max_model_len": config.max_model_len,
+        }
+        return json_response({"object": "list", "data": [model]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        prompt, messages, add_special_tokens = protocol.parse_tokenize(await read_json(request))
+        tokenizer = self._require_tokenizer()
+        if messages is not None:
+            prompt = self.engine.engine.input_processor.apply_chat_template(messages)
+        loop = asyncio.get_running_loop()
+        tokens = await loop.run_in_executor(
+            None, lambda: tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        )
+        max_model_len = self.engine.engine.config.model.max_model_len
+        return json_response(
+            {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokens = protocol.parse_detokenize(await read_json(request))
+        tokenizer = self._require_tokenizer()
+        vocab_size = self.engine.engine.input_processor.vocab_size
+        if any(not 0 <= t < vocab_size for t in tokens):
+            raise ProtocolError(f"tokens must be in [0, {vocab_size}).", param="tokens")
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(None, tokenizer.decode, tokens)
+        return json_response({"prompt": text})
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer.")
+        return self.tokenizer
+
+
+# apply_chat_template's own parameters, which a request must not reach through the kwargs
+_TEMPLATE_CALL_OPTIONS = {
+    name
+    for name in signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    if name not in ("self", "tools", "documents", "kwargs")
+}
+
+
+def _response_id(req: GenerationRequest) -> str:
+    prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- response objects -----------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counted_prompts: set[int] = field(default_factory=set)
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        if prompt_index not in self.counted_prompts:
+            self.counted_prompts.add(prompt_index)
+            self.prompt_tokens += len(output.prompt_token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+class ChunkBuilder:
+    """RequestOutputs -> OpenAI chunk objects (streaming) or the final response object."""
+
+    def __init__(self, req: GenerationRequest, response_id: str, model: str, tokenizer) -> None:
+        self.req = req
+        self.id = response_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        self.usage = Usage()
+        self.started: set[int] = set()
+        self.text_offsets: dict[int, int] = {}
+        self.chat = req.kind == "chat"
+
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        self.usage.add(prompt_index, output)
+        chunks = []
+        for completion in output.outputs:
+            index = prompt_index * self.req.params.n + completion.index
+            chunks += self._choice_chunks(index, output, completion)
+        return chunks
+
+    def _choice_chunks(
+        self, index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> list[dict[str, Any]]:
+        first = index not in self.started
+        self.started.add(index)
+        chunks = []
+        text = completion.text
+        if self.chat and first:
+            chunks.append(self._chunk(index, {"role": "assistant", "content": ""}))
+        if first and self.req.echo:
+            text = self._prompt_text(output) + text
+        logprobs = self._logprobs(index, completion)
+        if text or logprobs is not None:
+            chunks.append(self._chunk(index, {"content": text} if self.chat else text, logprobs))
+        if completion.finish_reason is not None:
+            empty = {} if self.chat else ""
+            chunks.append(self._chunk(index, empty, None, completion))
+        return chunks
+
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, Any] | str,
+        logprobs: dict[str, Any] | None = None,
+        finished: CompletionOutput | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        choice["delta" if self.chat else "text"] = delta
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finished.finish_reason if finished else None
+        if finished is not None:
+            choice["stop_reason"] = finished.stop_reason
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = [choice]
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = []
+        chunk["usage"] = self.usage.as_dict()
+        return chunk
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            self.usage.add(prompt_index, output)
+            for completion in output.outputs:
+                index = prompt_index * self.req.params.n + completion.index
+                choices.append(self._final_choice(index, output, completion))
+        response = self._envelope("chat.completion" if self.chat else "text_completion")
+        response["choices"] = sorted(choices, key=lambda c: c["index"])
+        response["usage"] = self.usage.as_dict()
+        return response
+
+    def _final_choice(
+        self, index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": completion.text}
+        else:
+            prefix = self._prompt_text(output) if self.req.echo else ""
+            choice["text"] = prefix + completion.text
+        choice["logprobs"] = self._logprobs(index, completion)
+        choice["finish_reason"] = completion.finish_reason
+        choice["stop_reason"] = completion.stop_reason
+        return choice
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
+
+    # -- logprobs ----------------------------------------------------------------------------
+
+    def _logprobs(self, index: int, completion: CompletionOutput) -> dict[str, Any] | None:
+        if self.req.logprobs is None or completion.logprobs is None:
+            return None
+        # a delta holds the logprobs of its own tokens; a cumulative list ends with them
+        entries = completion.logprobs[len(completion.logprobs) - len(completion.token_ids) :]
+        pairs = list(zip(completion.token_ids, entries))
+        if self.chat:
+            return {"content": [self._chat_logprob(t, e) for t, e in pairs]}
+        return self._completion_logprobs(index, pairs)
+
+    def _chat_logprob(self, token_id: int, entry: dict[int, Logprob]) -> dict[str, Any]:
+        token = self._token(token_id, entry)
+        top = [
+            {
+                "token": self._token(t, entry),
+                "logprob": lp.logprob,
+                "bytes": list(self._token(t, entry).encode()),
+            }
+            for t, lp in self._top(entry)
+        ]
+        return {
+            "token": token,
+            "logprob": _logprob_of(token_id, entry),
+            "bytes": list(token.encode()),
+            "top_logprobs": top,
+        }
+
+    def _completion_logprobs(
+        self, index: int, pairs: list[tuple[int, dict[int, Logprob]]]
+    ) -> dict[str, Any]:
+        tokens, offsets = [], []
+        offset = self.text_offsets.get(index, 0)
+        for token_id, entry in pairs:
+            token = self._token(token_id, entry)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+        self.text_offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_logprob_of(t, e) for t, e in pairs],
+            "top_logprobs": [
+                {self._token(t, e): lp.logprob for t, lp in self._top(e)} for _, e in pairs
+            ],
+            "text_offset": offsets,
+        }
+
+    def _top(self, entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+        ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)
+        return ranked[: self.req.logprobs]
+
+    def _token(self, token_id: int, entry: dict[int, Logprob]) -> str:
+        logprob = entry.get(token_id)
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
+
+
+def _logprob_of(token_id: int, entry: dict[int, Logprob]) -> float:
+    logprob = entry.get(token_id)
+    return logprob.logprob if logprob is not None else _MISSING_LOGPROB

@@ -1,0 +1,161 @@
+"""Persistent step inputs: block tables that live across steps and staging buffers reused
+every step, so a decode step appends a block id now and then instead of rebuilding tables.
+
+Host arrays are numpy views of pinned tensors (on CUDA), copied to fixed device buffers with
+non_blocking copies; the device buffers double as the static inputs of the CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.core.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    num_tokens: int
+    num_reqs: int
+    # padded sizes actually handed to the model (a CUDA graph's batch size, else the real ones)
+    padded_tokens: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # flat row of the last token of each request that samples
+    sampling_rows: list[int]  # scheduled index of each logits row
+
+
+class _Buffer:
+    """A pinned host tensor with a numpy view, and its device twin."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.host.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device)
+
+    def copy_rows(self, n: int) -> torch.Tensor:
+        self.device[:n].copy_(self.host[:n], non_blocking=True)
+        return self.device[:n]
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)
+        # rows outlive a request by one step (finished ids arrive with the next schedule)
+        num_rows = 2 * max_num_reqs
+        self.block_table = np.zeros((num_rows, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int32)
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(num_rows - 1, -1, -1))
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
+        self.positions = _Buffer((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = _Buffer((max_num_tokens,), torch.int64, device)
+        self.query_start_loc = _Buffer((max_num_reqs + 1,), torch.int32, device)
+        self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)
+        self.block_tables = _Buffer((max_num_reqs, max_blocks), torch.int32, device)
+        self.logits_indices = _Buffer((max_num_reqs,), torch.int64, device)
+
+    def remove_requests(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            row = self.rows.pop(request_id, None)
+            if row is not None:
+                self.num_blocks[row] = 0
+                self.free_rows.append(row)
+
+    def prepare(self, scheduler_output: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
+        """Fill the buffers for this step; pad_to pads a pure-decode batch to a graph's size."""
+        self.remove_requests(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
+        scheduled = scheduler_output.scheduled
+        rows = np.array([self._sync_row(s.request.request_id, s.block_ids) for s in scheduled])
+        starts = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
+        counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        num_reqs, num_tokens = len(scheduled), int(counts.sum())
+
+        ids = self.input_ids.np
+        offset = 0
+        for s in scheduled:
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            ids[offset : offset + n] = s.request.all_token_ids[start : start + n]
+            offset += n
+        cu = np.cumsum(counts)
+        owner = np.repeat(np.arange(num_reqs), counts)
+        positions = np.arange(num_tokens) - np.repeat(cu - counts, counts) + starts[owner]
+        self.positions.np[:num_tokens] = positions
+        blocks = self.block_table[rows[owner], positions // self.block_size]
+        self.slot_mapping.np[:num_tokens] = (
+            blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        )
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu
+        seq_lens = starts + counts
+        self.seq_lens.np[:num_reqs] = seq_lens
+        width = int(self.num_blocks[rows].max())
+        self.block_tables.np[:num_reqs, :width] = self.block_table[rows, :width]
+
+        sampling_rows = [i for i, s in enumerate(scheduled) if s.completes_prompt]
+        self.logits_indices.np[: len(sampling_rows)] = cu[sampling_rows] - 1
+
+        padded = pad_to or num_reqs
+        if pad_to is not None:
+            self.pad(num_reqs, pad_to)
+        query_lens = counts.tolist()
+        meta = AttentionMetadata(
+            query_start_loc=self.query_start_loc.copy_rows(padded + 1),
+            seq_lens=self.seq_lens.copy_rows(padded),
+            block_tables=self._copy_tables(padded, width),
+            slot_mapping=self.slot_mapping.copy_rows(max(padded, num_tokens)),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        padded_tokens = max(padded, num_tokens)
+        return StepInputs(
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            padded_tokens=padded_tokens,
+            input_ids=self.input_ids.copy_rows(padded_tokens),
+            positions=self.positions.copy_rows(padded_tokens),
+            meta=meta,
+            logits_indices=self.logits_indices.copy_rows(len(sampling_rows)),
+            sampling_rows=sampling_rows,
+        )
+
+    def _sync_row(self, request_id: str, block_ids: list[int]) -> int:
+        """The request's row, with any blocks allocated since the last step appended."""
+        row = self.rows.get(request_id)
+        if row is None:
+            row = self.rows[request_id] = self.free_rows.pop()
+        known = int(self.num_blocks[row])
+        if len(block_ids) > known:
+            self.block_table[row, known : len(block_ids)] = block_ids[known:]
+            self.num_blocks[row] = len(block_ids)
+        return row
+
+    def pad(self, num_reqs: int, pad_to: int) -> None:
+        """Padding rows: one token each, writing nowhere, attending to one (ignored) slot."""
+        self.input_ids.np[num_reqs:pad_to] = 0
+        self.positions.np[num_reqs:pad_to] = 0
+        self.slot_mapping.np[num_reqs:pad_to] = -1
+        self.query_start_loc.np[num_reqs + 1 : pad_to + 1] = np.arange(num_reqs + 1, pad_to + 1)
+        self.seq_lens.np[num_reqs:pad_to] = 1
+        self.block_tables.np[num_reqs:pad_to, 0] = 0
+
+    def _copy_tables(self, num_rows: int, width: int) -> torch.Tensor:
+        buffer = self.block_tables
+        buffer.device[:num_rows, :width].copy_(buffer.host[:num_rows, :width], non_blocking=True)
+        return buffer.device[:num_rows]

@@ -1,0 +1,106 @@
+"""The persistent input batch builds the same step inputs as a from-scratch computation."""
+
+import torch
+
+from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from asyncllm.request import Request
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.input_batch import InputBatch
+
+BLOCK = 4
+
+
+def request(rid: str, n: int) -> Request:
+    return Request(rid, list(range(100, 100 + n)), SamplingParams())
+
+
+def scheduled(req: Request, computed: int, new: int, blocks: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(req, num_new_tokens=new, num_computed_tokens=computed, block_ids=blocks)
+
+
+def expected_slots(s: ScheduledRequest) -> list[int]:
+    span = range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
+    return [s.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in span]
+
+
+def check(batch: InputBatch, out: SchedulerOutput) -> None:
+    inputs = batch.prepare(out)
+    ids = sum(
+        (
+            s.request.all_token_ids[
+                s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens
+            ]
+            for s in out.scheduled
+        ),
+        [],
+    )
+    positions = sum(
+        (
+            list(range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
+            for s in out.scheduled
+        ),
+        [],
+    )
+    assert inputs.input_ids.tolist() == ids
+    assert inputs.positions.tolist() == positions
+    assert inputs.meta.slot_mapping.tolist() == sum((expected_slots(s) for s in out.scheduled), [])
+    assert inputs.meta.seq_lens.tolist() == [
+        s.num_computed_tokens + s.num_new_tokens for s in out.scheduled
+    ]
+    assert inputs.meta.query_lens_cpu == [s.num_new_tokens for s in out.scheduled]
+    for row, s in enumerate(out.scheduled):
+        assert inputs.meta.block_tables[row, : len(s.block_ids)].tolist() == s.block_ids
+    sampling = [i for i, s in enumerate(out.scheduled) if s.completes_prompt]
+    assert inputs.sampling_rows == sampling
+    last_rows = torch.tensor(inputs.meta.query_start_loc[1:].tolist())[sampling] - 1
+    assert inputs.logits_indices.tolist() == last_rows.tolist()
+
+
+def test_prefill_chunks_then_decode_with_growing_tables() -> None:
+    batch = InputBatch(
+        max_num_reqs=4,
+        max_num_tokens=64,
+        max_model_len=64,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    a, b = request("a", 10), request("b", 3)
+    check(batch, SchedulerOutput([scheduled(a, 0, 6, [7, 2]), scheduled(b, 0, 3, [5])]))
+    b.append_output_token(9)
+    check(batch, SchedulerOutput([scheduled(a, 6, 4, [7, 2, 9]), scheduled(b, 3, 1, [5])]))
+    a.append_output_token(11)
+    b.append_output_token(12)
+    check(batch, SchedulerOutput([scheduled(a, 10, 1, [7, 2, 9]), scheduled(b, 4, 1, [5, 1])]))
+
+
+def test_finished_rows_are_reused_with_fresh_tables() -> None:
+    batch = InputBatch(
+        max_num_reqs=1,
+        max_num_tokens=16,
+        max_model_len=16,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    a = request("a", 5)
+    check(batch, SchedulerOutput([scheduled(a, 0, 5, [3, 4])]))
+    c = request("c", 2)
+    out = SchedulerOutput([scheduled(c, 0, 2, [6])], finished_req_ids={"a"})
+    check(batch, out)
+    assert set(batch.rows) == {"c"}
+
+
+def test_padding_rows_write_nowhere() -> None:
+    batch = InputBatch(
+        max_num_reqs=8,
+        max_num_tokens=16,
+        max_model_len=16,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    a = request("a", 3)
+    a.append_output_token(1)
+    inputs = batch.prepare(SchedulerOutput([scheduled(a, 3, 1, [2])]), pad_to=4)
+    assert inputs.padded_tokens == 4
+    assert inputs.meta.slot_mapping.tolist() == [2 * BLOCK + 3, -1, -1, -1]
+    assert inputs.meta.seq_lens.tolist() == [4, 1, 1, 1]
+    assert inputs.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]

@@ -1,0 +1,356 @@
+"""The server as a client sees it: a real `python -m asyncllm.serve` on a real port, driven by
+the official openai SDK, raw HTTP, and a WebSocket client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from test_server_support import ServerProcess, parse_metrics, parse_sse, tiny_server_args
+
+LONG = {"max_tokens": 400, "ignore_eos": True}
+CHAT = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    process = ServerProcess(log, *tiny_server_args(tiny_model_dir, "--served-model-name", "tiny"))
+    yield process.start()
+    process.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def async_client(server):
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+async def metrics(session: aiohttp.ClientSession, server: ServerProcess) -> dict[str, float]:
+    async with session.get(f"{server.url}/metrics") as response:
+        return parse_metrics(await response.text())
+
+
+async def until_idle(session, server, timeout: float = 10.0) -> dict[str, float]:
+    """Polls /metrics until nothing runs or waits; returns the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = await metrics(session, server)
+        idle = values["asyncllm:num_requests_running"] == 0
+        idle = idle and values["asyncllm:num_requests_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return values
+        await asyncio.sleep(0.05)
+
+
+# -- endpoints -----------------------------------------------------------------------------
+
+
+async def test_health_version_and_models(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{server.url}/health") as response:
+            assert response.status == 200
+        async with session.get(f"{server.url}/version") as response:
+            assert "version" in await response.json()
+        async with session.get(f"{server.url}/v1/models") as response:
+            models = await response.json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
+
+
+async def test_tokenize_then_detokenize_round_trips(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{server.url}/tokenize", json={"prompt": "hello world"}) as r:
+            tokenized = await r.json()
+        async with session.post(
+            f"{server.url}/detokenize", json={"tokens": tokenized["tokens"]}
+        ) as r:
+            detokenized = await r.json()
+        chat = {"messages": CHAT}
+        async with session.post(f"{server.url}/tokenize", json=chat) as r:
+            chat_tokens = await r.json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0
+    assert detokenized["prompt"] == "hello world"
+    assert chat_tokens["count"] > tokenized["count"]  # the chat template adds its markup
+
+
+# -- the openai SDK ------------------------------------------------------------------------
+
+
+def test_sdk_sync_completion(client) -> None:
+    completion = client.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = completion.choices[0]
+    assert completion.object == "text_completion" and choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 5 and choice.text
+
+
+def test_sdk_sync_chat_matches_its_stream(client) -> None:
+    kwargs = {"model": "tiny", "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    full = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        **kwargs,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert text == full.choices[0].message.content
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert full.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+
+
+async def test_sdk_async_streaming_completion(async_client) -> None:
+    stream = await async_client.completions.create(
+        model="tiny", prompt="abc", max_tokens=6, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "text_completion" for c in chunks)
+
+
+async def test_sdk_async_batch_prompts_get_one_choice_each(async_client) -> None:
+    texts = await async_client.completions.create(
+        model="tiny", prompt=["one", "two", "three"], max_tokens=3, temperature=0
+    )
+    token_ids = await async_client.completions.create(
+        model="tiny", prompt=[[1, 2, 3], [4, 5]], max_tokens=3, temperature=0
+    )
+    assert sorted(c.index for c in texts.choices) == [0, 1, 2]
+    assert sorted(c.index for c in token_ids.choices) == [0, 1]
+    assert token_ids.usage.prompt_tokens == 5
+
+
+def test_sdk_chat_with_n_and_logprobs(client) -> None:
+    reply = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=3, n=2, logprobs=True, top_logprobs=2, seed=1
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    for choice in reply.choices:
+        tokens = choice.logprobs.content
+        assert len(tokens) == 3 and all(len(t.top_logprobs) == 2 for t in tokens)
+        assert "".join(t.token for t in tokens) == choice.message.content
+    assert reply.usage.completion_tokens == 6
+
+
+def test_sdk_completion_logprobs(client) -> None:
+    reply = client.completions.create(model="tiny", prompt="hi", max_tokens=4, logprobs=3)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+
+def test_sdk_raises_typed_errors(client) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="tiny", prompt=[5] * 600)
+    assert too_long.value.code == "context_length_exceeded"
+
+
+# -- the wire format -----------------------------------------------------------------------
+
+
+async def test_sse_wire_format_and_headers(server) -> None:
+    body = {"prompt": "hi", "max_tokens": 4, "ignore_eos": True, "stream": True, "echo": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json=body) as response,
+    ):
+        raw = await response.read()
+        headers = response.headers
+    assert headers["Content-Type"].startswith("text/event-stream")
+    assert headers["Cache-Control"] == "no-cache" and headers["X-Accel-Buffering"] == "no"
+    assert "X-Request-Id" in headers
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["text"].startswith("hi")  # echo
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_first_chunk_arrives_long_before_the_last(server) -> None:
+    body = {"prompt": "count", "stream": True, **LONG}
+    start = time.monotonic()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json=body) as response,
+    ):
+        await response.content.readuntil(b"\n\n")
+        first = time.monotonic() - start
+        await response.read()
+        last = time.monotonic() - start
+    assert first < last / 4
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 422, None),
+        (b'{"max_tokens": 3}', 422, "prompt"),
+        (b'{"prompt": "x", "max_tokens": "3"}', 422, "max_tokens"),
+        (b'{"prompt": "x", "stop": 7}', 422, "stop"),
+        (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+        (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
+        (b'{"prompt": [99999999]}', 400, "prompt_token_ids"),
+    ],
+)
+async def test_bad_requests_get_the_openai_error_shape(server, body, status, param) -> None:
+    async with aiohttp.ClientSession() as session:
+        url = f"{server.url}/v1/completions"
+        async with session.post(url, data=body) as response:
+            error = await response.json()
+            assert response.status == status
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["param"] == param
+
+
+async def test_unknown_fields_are_ignored_and_the_server_keeps_serving(server) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}, "user": "me"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{server.url}/v1/completions", json=body) as response:
+            assert response.status == 200
+        async with session.post(f"{server.url}/v1/chat/completions", json={"messages": 3}) as r:
+            assert r.status == 422
+        async with session.get(f"{server.url}/health") as response:
+            assert response.status == 200
+
+
+# -- disconnects ---------------------------------------------------------------------------
+
+
+async def test_hundred_streams_dropped_midway_free_everything(server) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        idle = await until_idle(session, server)
+
+        async def drop_after_first_token(i: int) -> None:
+            body = {"prompt": f"story {i}", "stream": True, **LONG}
+            response = await session.post(f"{server.url}/v1/completions", json=body)
+            while not (await response.content.readuntil(b"\n\n")).startswith(b"data: "):
+                pass
+            response.close()  # drops the connection mid-stream
+
+        await asyncio.gather(*(drop_after_first_token(i) for i in range(100)))
+        after = await until_idle(session, server, timeout=10)
+    assert after["asyncllm:num_requests_running"] == 0
+    assert after["asyncllm:num_requests_waiting"] == 0
+    assert after["asyncllm:kv_cache_usage_perc"] == idle["asyncllm:kv_cache_usage_perc"]
+    generated = after["asyncllm:generation_tokens_total"] - idle["asyncllm:generation_tokens_total"]
+    assert generated < 100 * LONG["max_tokens"] / 4  # aborted, not run to the end
+
+
+# -- WebSocket -----------------------------------------------------------------------------
+
+
+async def test_websocket_multiplexes_requests_and_cancels_one(server) -> None:
+    frames: dict[str, list[dict]] = {}
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"{server.url}/v1/stream") as ws:
+            await ws.send_str(orjson.dumps({"id": "chat", "endpoint": "chat", "body": {"messages": CHAT, "max_tokens": 5, "ignore_eos": True}}).decode())  # fmt: skip
+            await ws.send_json({"id": "text", "body": {"prompt": "hi", "max_tokens": 7, "ignore_eos": True, "stream_options": {"include_usage": True}}})  # fmt: skip
+            await ws.send_json({"id": "long", "body": {"prompt": "go", **LONG}})
+            await ws.send_json({"id": "bad", "body": {"prompt": "x", "top_k": -5}})
+            done: set[str] = set()
+            while done != {"chat", "text", "long", "bad"}:
+                frame = await ws.receive_json(timeout=20)
+                frames.setdefault(frame["id"], []).append(frame)
+                if frame["type"] == "chunk" and frame["id"] == "long":
+                    await ws.send_json({"type": "cancel", "id": "long"})
+                if frame["type"] == "done":
+                    done.add(frame["id"])
+        values = await until_idle(session, server)
+    chat = [f["data"] for f in frames["chat"] if f["type"] == "chunk"]
+    assert chat[0]["object"] == "chat.completion.chunk"
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chat[-1]["choices"][0]["finish_reason"] == "length"
+    text = [f["data"] for f in frames["text"] if f["type"] == "chunk"]
+    assert text[-1]["usage"]["completion_tokens"] == 7
+    assert frames["long"][-1] == {"type": "done", "id": "long", "cancelled": True}
+    assert [f["type"] for f in frames["bad"]] == ["error", "done"]
+    assert frames["bad"][0]["error"]["param"] == "top_k"
+    assert values["asyncllm:num_requests_running"] == 0
+
+
+async def test_closing_the_websocket_aborts_its_requests(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        idle = await until_idle(session, server)
+        async with session.ws_connect(f"{server.url}/v1/stream") as ws:
+            for i in range(8):
+                await ws.send_json({"id": i, "body": {"prompt": f"p{i}", **LONG}})
+            started: set[str] = set()
+            while len(started) < 8:
+                started.add((await ws.receive_json(timeout=20))["id"])
+        after = await until_idle(session, server)
+    assert after["asyncllm:num_requests_running"] == 0
+    assert after["asyncllm:kv_cache_usage_perc"] == idle["asyncllm:kv_cache_usage_perc"]
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+async def test_metrics_use_vllm_names(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{server.url}/v1/completions", json={"prompt": "m", "max_tokens": 3}
+        ):
+            pass
+        values = await metrics(session, server)
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+    ):
+        assert f"asyncllm:{name}" in values, name
+    assert values["asyncllm:generation_tokens_total"] >= 3
+    assert values["asyncllm:time_to_first_token_seconds_count"] >= 1
+
+
+# -- the real default model ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_model_answers_a_chat(tmp_path) -> None:
+    process = ServerProcess(tmp_path / "server.log", "--max-model-len", "1024")
+    process.start()
+    try:
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+        )
+    finally:
+        assert process.stop() == 0
+    assert "Paris" in reply.choices[0].message.content
