@@ -61,12 +61,18 @@ def _chat(argv: list[str]) -> None:
 
 
 def _bench(argv: list[str]) -> None:
-    if not _BENCH.exists():
-        sys.exit(f"asyncllm bench needs a source checkout: {_BENCH} is missing")
-    spec = importlib.util.spec_from_file_location("asyncllm_bench_throughput", _BENCH)
+    """`bench serve ...`: bench/serving.py; `bench throughput ...` or `bench ...`: throughput.py."""
+    scripts = {"throughput": _BENCH, "serve": _BENCH.with_name("serving.py")}
+    name = argv[0] if argv and argv[0] in scripts else "throughput"
+    argv = argv[1:] if argv and argv[0] == name else argv
+    script = scripts[name]
+    if not script.exists():
+        sys.exit(f"asyncllm bench needs a source checkout: {script} is missing")
+    spec = importlib.util.spec_from_file_location(f"asyncllm_bench_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    sys.argv = [str(_BENCH), *argv]
+    sys.argv = [str(script), *argv]
     module.main()
 
 

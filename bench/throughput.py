@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 import transformers
 
+# run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from asyncllm import LLM, SamplingParams
 from asyncllm.models.model_path import resolve_model_path
-
-sys.path.insert(0, str(Path(__file__).parent))
-from model_shapes import SHAPES, write_shape  # noqa: E402
+from asyncllm.models.shapes import SHAPES, write_shape
 
 Workload = list[tuple[list[int], int]]
 
@@ -191,10 +193,8 @@ def run_hf_static(model, workload: Workload, batch_size: int, device: torch.devi
     }
 
 
-@torch.inference_mode()
 def run_hf_continuous(model, workload: Workload) -> dict:
-    from transformers import GenerationConfig
-    from transformers.generation.continuous_batching import ContinuousBatchingConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation("paged|sdpa")
     generation = GenerationConfig(

@@ -23,7 +23,9 @@ def test_generate_returns_outputs_in_prompt_order(llm) -> None:
 
 
 def test_token_id_prompts_are_accepted(llm) -> None:
-    (output,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), use_tqdm=False)
+    (output,) = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), use_tqdm=False
+    )
     assert output.prompt_token_ids == [5, 6, 7]
     assert len(output.outputs[0].token_ids) == 3
 
@@ -54,7 +56,9 @@ def test_shared_prefix_is_computed_once(llm) -> None:
     hits_before = llm.engine.core.kv_cache_manager.prefix_cache_hits
     (output,) = llm.generate(prefix + "Second one?", SamplingParams(max_tokens=2), use_tqdm=False)
     assert output.num_cached_tokens >= 32
-    assert llm.engine.core.kv_cache_manager.prefix_cache_hits - hits_before == output.num_cached_tokens
+    assert (
+        llm.engine.core.kv_cache_manager.prefix_cache_hits - hits_before == output.num_cached_tokens
+    )
 
 
 def test_stop_string_is_not_emitted(llm) -> None:
@@ -63,7 +67,9 @@ def test_stop_string_is_not_emitted(llm) -> None:
     text = free_run.outputs[0].text
     stop = text[5:8]
     assert stop.strip(), "the tiny model's text must have a non-blank stop candidate"
-    (stopped,) = llm.generate("Tell me", SamplingParams(temperature=0, max_tokens=30, stop=[stop]), use_tqdm=False)
+    (stopped,) = llm.generate(
+        "Tell me", SamplingParams(temperature=0, max_tokens=30, stop=[stop]), use_tqdm=False
+    )
     completion = stopped.outputs[0]
     assert completion.text == text[: text.index(stop)]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
@@ -85,14 +91,18 @@ def test_eos_stops_unless_ignored(llm) -> None:
     # a random model rarely emits its eos: declare its first greedy token the eos instead
     eos_prompt = {"prompt_token_ids": [2] * 4}
     params = SamplingParams(temperature=0, max_tokens=8)
-    (free_run,) = llm.generate(eos_prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    (free_run,) = llm.generate(
+        eos_prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     first = free_run.outputs[0].token_ids[0]
     core = llm.engine.core
     saved = llm.engine.input_processor.model_config.eos_token_ids
     llm.engine.input_processor.model_config.eos_token_ids = frozenset({first})
     try:
         (stopped,) = llm.generate(eos_prompt, params, use_tqdm=False)
-        (ignored,) = llm.generate(eos_prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        (ignored,) = llm.generate(
+            eos_prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
     finally:
         llm.engine.input_processor.model_config.eos_token_ids = saved
     assert stopped.outputs[0].token_ids == [first]
@@ -105,18 +115,25 @@ def test_seeded_sampling_is_independent_of_the_batch(llm) -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     (alone,) = llm.generate("Pick a word", seeded, use_tqdm=False)
-    mixed = llm.generate(["Something else", "Pick a word", "More"], [other, seeded, other], use_tqdm=False)
+    mixed = llm.generate(
+        ["Something else", "Pick a word", "More"], [other, seeded, other], use_tqdm=False
+    )
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_unseeded_sampling_differs_between_runs(llm) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-    runs = {tuple(llm.generate("Pick a word", params, use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    runs = {
+        tuple(llm.generate("Pick a word", params, use_tqdm=False)[0].outputs[0].token_ids)
+        for _ in range(3)
+    }
     assert len(runs) > 1
 
 
 def test_chat_applies_the_chat_template(llm) -> None:
-    (output,) = llm.chat([{"role": "user", "content": "Hi there"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    (output,) = llm.chat(
+        [{"role": "user", "content": "Hi there"}], SamplingParams(max_tokens=2), use_tqdm=False
+    )
     assert output.prompt.startswith("<|im_start|>")
     assert output.prompt.rstrip().endswith("<|im_start|>assistant")
     tokenizer = llm.get_tokenizer()
@@ -146,7 +163,11 @@ def test_bad_prompts_raise_before_reaching_the_engine(llm, prompt, params, field
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+    ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):

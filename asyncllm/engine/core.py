@@ -52,7 +52,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return self._skip_step(scheduler_output)
         try:
             runner_output = self.model_runner.execute_model(scheduler_output)
         except Exception as e:  # a failed step fails its requests, not the engine
@@ -63,7 +63,7 @@ class EngineCore:
         """The same step, awaiting the runner's future so the event loop keeps running."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return self._skip_step(scheduler_output)
         try:
             runner_output = await asyncio.wrap_future(self.model_runner.execute(scheduler_output))
         except Exception as e:
@@ -72,6 +72,13 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_runner.shutdown()
+
+    def _skip_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Nothing to run, but the runner must still forget finished and preempted requests."""
+        self.model_runner.forget(
+            scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+        )
+        return []
 
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

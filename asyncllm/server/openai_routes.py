@@ -89,7 +89,7 @@ class OpenAIRoutes:
 
     async def open_stream(self, endpoint: str, body: dict[str, Any]) -> ChunkStream:
         """One WebSocket request: parse, admit, stream (errors surface on the first read)."""
-        if endpoint not in _ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in _ENDPOINTS:
             raise ProtocolError(
                 "endpoint must be 'chat' or 'completions'.", status=404, param="endpoint"
             )

@@ -30,20 +30,16 @@ class CudaGraphRunner:
         model: nn.Module,
         kv_caches: list[torch.Tensor],
         input_batch: InputBatch,
-        max_batch: int,
+        sizes: list[int],
         stream: torch.cuda.Stream,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.input_batch = input_batch
         self.stream = stream
-        self.sizes = batch_size_ladder(max_batch)
+        self.sizes = sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest captured batch size that holds num_reqs, or None."""
-        return next((size for size in self.sizes if size >= num_reqs), None)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -1,36 +1,36 @@
 """Runs one scheduled step: flat batch -> model -> sampled ids, in a worker thread.
 
 `execute()` returns a concurrent future at once; the engine task awaits it, so the event loop
-keeps serving while the model computes (torch releases the GIL inside its kernels).
+keeps serving while the model computes (torch releases the GIL inside its kernels). On CUDA the
+step runs on the runner's own stream, inputs are copied from pinned buffers without blocking,
+pure-decode steps replay CUDA graphs, and the future completes when the sampled ids are on the host.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass
+import contextlib
+import dataclasses
 
 import torch
 
-from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.models.loader import load_model
 from asyncllm.sample.logprobs import PromptSpan, compute_prompt_logprobs, prompt_span
 from asyncllm.sample.metadata import SamplingMetadata, TokenHistory
 from asyncllm.sample.sampler import Sampler
+from asyncllm.worker.cuda_graph import CudaGraphRunner, batch_size_ladder
+from asyncllm.worker.input_batch import InputBatch, StepInputs
 
 _CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
+_MAX_CUDA_GRAPH_BATCH = 512
 
 
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # last row of every request that samples this step
-    sampling_rows: list[int]  # scheduled index of each logits row
-    prompt_spans: list[PromptSpan]  # prompt positions to score, for prompt_logprobs
+def _stream_context(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def make_attention_backend(name: str) -> AttentionBackend:
@@ -58,6 +58,17 @@ class ModelRunner:
         self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
         self.generators: dict[str, torch.Generator] = {}
         self.token_history = TokenHistory()
+        scheduler = config.scheduler
+        self.input_batch = InputBatch(
+            max_num_reqs=scheduler.max_num_seqs,
+            max_num_tokens=scheduler.max_num_batched_tokens,
+            max_model_len=config.model.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.decode_sizes = self._decode_sizes()
+        self.cuda_graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-runner")
 
     def execute(
@@ -68,75 +79,88 @@ class ModelRunner:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._forget(scheduler_output.finished_req_ids)
-        inputs = self.prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        """One step on the runner's own CUDA stream; returns once the sampled ids are on the host."""
+        with torch.inference_mode(), _stream_context(self.stream):
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.forget(scheduler_output.finished_req_ids)
+        decode_size = self._decode_batch_size(scheduler_output)
+        inputs = self.input_batch.prepare(scheduler_output, pad_to=decode_size)
+        prompt_spans = self._prompt_spans(scheduler_output)
+        hidden = None
+        if decode_size is not None:
+            logits = self._decode_logits(inputs, decode_size)[inputs.logits_indices]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduler_output.scheduled))
         if inputs.sampling_rows:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
-            output.set_sampled(inputs.sampling_rows, *self.sampler(logits, meta).to_host(meta))
-        if inputs.prompt_spans:
+            sampled = self.sampler(logits, meta)
+            self._wait_for_device()
+            output.set_sampled(inputs.sampling_rows, *sampled.to_host(meta))
+        if prompt_spans:
             output.prompt_logprobs = compute_prompt_logprobs(
-                hidden, inputs.prompt_spans, self.model.compute_logits
+                hidden, prompt_spans, self.model.compute_logits
             )
         return output
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        sampling_rows: list[int] = []
-        prompt_spans: list[PromptSpan] = []
-        bs = self.block_size
-        for row, s in enumerate(scheduler_output.scheduled):
-            if (scored := prompt_span(s, len(input_ids))) is not None:
-                prompt_spans.append(scored)
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            input_ids += s.request.all_token_ids[start:end]
-            span = range(start, end)
-            positions += span
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in span]
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(s.block_ids)
-            if s.completes_prompt:
-                logits_indices.append(len(input_ids) - 1)
-                sampling_rows.append(row)
-        meta = self._attention_metadata(query_lens, seq_lens, tables, slots)
-        return ModelInputs(
-            input_ids=self._tensor(input_ids, torch.int64),
-            positions=self._tensor(positions, torch.int64),
-            meta=meta,
-            logits_indices=self._tensor(logits_indices, torch.int64),
-            sampling_rows=sampling_rows,
-            prompt_spans=prompt_spans,
-        )
+    def _decode_batch_size(self, scheduler_output: SchedulerOutput) -> int | None:
+        """For a pure-decode step on the GPU, the padded batch size of its CUDA graph; else None.
 
-    def _attention_metadata(
-        self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int]
-    ) -> AttentionMetadata:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        return AttentionMetadata(
-            query_start_loc=self._tensor(starts, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(padded, torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+        With graphs off (enforce_eager) such steps still run padded, with the graphs' metadata,
+        so that both modes launch the same kernels and give bit-identical outputs.
+        """
+        if not self.decode_sizes:
+            return None
+        scheduled = scheduler_output.scheduled
+        if any(
+            s.num_new_tokens != 1 or s.request.sampling_params.prompt_logprobs is not None
+            for s in scheduled
+        ):
+            return None
+        return next((size for size in self.decode_sizes if size >= len(scheduled)), None)
+
+    def _decode_logits(self, inputs: StepInputs, size: int) -> torch.Tensor:
+        """Logits of all `size` padded rows: a graph replay, or the same computation eagerly."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs.replay(size)
+        meta = dataclasses.replace(inputs.meta, max_seq_len=self.config.model.max_model_len)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    def _prompt_spans(self, scheduler_output: SchedulerOutput) -> list[PromptSpan]:
+        spans, offset = [], 0
+        for s in scheduler_output.scheduled:
+            if (span := prompt_span(s, offset)) is not None:
+                spans.append(span)
+            offset += s.num_new_tokens
+        return spans
+
+    def _wait_for_device(self) -> None:
+        """Block this worker thread (never the event loop) until the step's kernels are done;
+        Event.synchronize releases the GIL while it waits."""
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            event.synchronize()
+
+    def _decode_sizes(self) -> list[int]:
+        model = self.config.model
+        if self.device.type != "cuda" or model.attention_backend != "triton":
+            return []
+        return batch_size_ladder(min(self.config.scheduler.max_num_seqs, _MAX_CUDA_GRAPH_BATCH))
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        if not self.decode_sizes or self.config.model.enforce_eager:
+            return None
+        graphs = CudaGraphRunner(
+            self.model, self.kv_caches, self.input_batch, self.decode_sizes, self.stream
         )
+        graphs.capture()
+        return graphs
 
     def _sampling_metadata(
         self, scheduler_output: SchedulerOutput, rows: list[int]
@@ -154,14 +178,11 @@ class ModelRunner:
             self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
         return self.generators[request_id]
 
-    def _forget(self, request_ids: set[str]) -> None:
+    def forget(self, request_ids: set[str]) -> None:
+        self.input_batch.remove_requests(request_ids)
         self.token_history.forget(request_ids)
         for request_id in request_ids:
             self.generators.pop(request_id, None)
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
     def _bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.layer_geometry

@@ -1,0 +1,74 @@
+"""The engine on a CUDA device: Triton backend, CUDA graphs, the runner's own stream."""
+
+import pytest
+import torch
+import transformers
+
+from asyncllm import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+KV_CACHE_BYTES = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    config = transformers.Qwen3Config(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen3-tiny")
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def prompts(n: int = 12) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1, 3, 16, 17, 40, 100, 255, 256, 300, 511, 700, 1000][:n]
+    return [
+        {"prompt_token_ids": torch.randint(10, 4096, (k,), generator=gen).tolist()} for k in lengths
+    ]
+
+
+def greedy(path, **kwargs) -> list[list[int]]:
+    llm = LLM(model=str(path), kv_cache_memory=KV_CACHE_BYTES, dtype="float32", **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    assert llm.engine.core.kv_cache_manager.usage == 0
+    llm.engine.core.shutdown()
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_cuda_graphs_give_the_same_tokens_as_eager(qwen3_dir) -> None:
+    eager = greedy(qwen3_dir, enforce_eager=True)
+    graphs = greedy(qwen3_dir, enforce_eager=False)
+    assert graphs == eager
+
+
+def test_triton_backend_matches_torch_backend_in_fp32(qwen3_dir) -> None:
+    triton = greedy(qwen3_dir, attention_backend="triton", enforce_eager=True)
+    reference = greedy(qwen3_dir, attention_backend="torch", enforce_eager=True)
+    assert triton == reference
+
+
+def test_runner_uses_graphs_for_decode(qwen3_dir) -> None:
+    llm = LLM(model=str(qwen3_dir), kv_cache_memory=KV_CACHE_BYTES, max_num_seqs=16)
+    runner = llm.engine.core.model_runner
+    assert runner.cuda_graphs is not None and runner.stream is not None
+    replays = []
+    real = runner.cuda_graphs.replay
+    runner.cuda_graphs.replay = lambda size: replays.append(size) or real(size)
+    llm.generate(prompts(5), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert replays and set(replays) <= set(runner.cuda_graphs.sizes)

@@ -1,0 +1,115 @@
+"""Helpers the reliability tests share: an in-process server around an engine that can be
+slowed down or broken, OpenAI error-shape checks, and the figures the README quotes.
+
+No tests here; the test_reliability_* files import from this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from asyncllm import AsyncLLM
+from asyncllm.server import ServerArgs, build_app
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+@asynccontextmanager
+async def serving(engine: AsyncLLM, **server_args: Any):
+    """build_app on a free loopback port, in this event loop; yields (url, app)."""
+    app = build_app(engine, ServerArgs(**server_args))
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+def patch_runner(engine: AsyncLLM, monkeypatch, seconds: float = 0.0, fail_on: set[int] = frozenset()) -> list[int]:  # fmt: skip
+    """Each model step sleeps `seconds` (in the runner thread); the steps numbered in fail_on
+    (1-based) raise instead. Returns the list of step numbers run so far."""
+    runner = engine.engine.core.model_runner
+    real_execute = runner.execute_model
+    steps: list[int] = []
+
+    def execute(scheduler_output):
+        steps.append(len(steps) + 1)
+        time.sleep(seconds)
+        if len(steps) in fail_on:
+            raise RuntimeError("injected fault: the device fell over")
+        return real_execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute_model", execute)
+    return steps
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def is_openai_error(body: Any) -> bool:
+    return (
+        isinstance(body, dict)
+        and set(body) == {"error"}
+        and isinstance(body["error"], dict)
+        and set(body["error"]) == ERROR_FIELDS
+        and isinstance(body["error"]["message"], str)
+        and isinstance(body["error"]["type"], str)
+    )
+
+
+def engine_is_idle(engine: AsyncLLM) -> bool:
+    core = engine.engine.core
+    return not core.has_unfinished_requests() and core.kv_cache_manager.usage == 0
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process, from /proc (psutil is not installed)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def report(name: str, **figures: Any) -> None:
+    """One line of measured figures (shown with pytest -s). With $ASYNCLLM_RELIABILITY_RESULTS
+    set, they are also merged into that JSON file: the README quotes bench/results/."""
+    values = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())  # fmt: skip
+    print(f"\nRELIABILITY {name}: {values}", flush=True)
+    path = os.environ.get("ASYNCLLM_RELIABILITY_RESULTS")
+    if path:
+        results = json.loads(Path(path).read_text()) if Path(path).exists() else _machine()
+        rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
+        results.setdefault("figures", {})[name] = rounded
+        Path(path).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "ASYNCLLM_RELIABILITY_RESULTS=bench/results/reliability_cpu.json "
+        "python -m pytest -q tests/test_reliability_*.py",
+        "device": platform.machine(),
+        "cpu_threads": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
