@@ -1,9 +1,10 @@
-"""One GPU session's worth of kernel checks: every kernel test at full size, then the benchmarks.
+"""One GPU session's worth of checks: every kernel test at full size and the GPU engine tests,
+the kernel benchmarks, then the model checks against HF transformers.
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT
 
-Writes OUT/gpu_check_h200.txt (environment and pytest output) and OUT/kernels_h200.json
-(bench/kernels.py). Packages the GPU image lacks travel as wheels in .whl/ and are installed
+Writes OUT/gpu_check_h200.txt (environment and pytest output), OUT/kernels_h200.json
+(bench/kernels.py) and OUT/gpu_model_check_h200.json (bench/gpu_model_check.py). Packages the GPU image lacks travel as wheels in .whl/ and are installed
 into /tmp/site first.
 """
 
@@ -60,6 +61,7 @@ def main() -> None:
     version = "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)"
     run([sys.executable, "-c", version], env, log, 120)
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernels_*.py"))
+    tests.append("tests/test_gpu_engine.py")
     pytest = [
         sys.executable,
         "-m",
@@ -82,7 +84,15 @@ def main() -> None:
     ]
     bench_code = run(bench, env, log, 400)
     (args.out / "gpu_check_h200.txt").write_text("\n".join(log) + "\n")
-    print(f"tests exit {test_code}, bench exit {bench_code}")
+    models = [
+        sys.executable,
+        str(ROOT / "bench" / "gpu_model_check.py"),
+        "--out",
+        str(args.out / "gpu_model_check_h200.json"),
+    ]
+    model_code = run(models, env, log, 300)
+    (args.out / "gpu_check_h200.txt").write_text("\n".join(log) + "\n")
+    print(f"tests exit {test_code}, bench exit {bench_code}, model checks exit {model_code}")
 
 
 if __name__ == "__main__":

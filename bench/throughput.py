@@ -12,6 +12,7 @@ weights and every live request's KV read once at the copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import platform
@@ -127,15 +128,54 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    phases = time_phases(llm) if args.profile_steps else None
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(o for _, o in workload), "asyncllm did not produce every requested token"
     result = {"seconds": elapsed, "output_tokens_per_s": produced / elapsed}
+    if phases is not None:
+        result["seconds_by_phase"] = dict(phases)
     if args.single_stream:
+        if phases is not None:
+            phases.clear()
         result["single_stream"] = single_stream(llm, workload[0][0][:128], 256)
+        if phases is not None:
+            result["single_stream"]["seconds_by_phase"] = dict(phases)
     return result
+
+
+def time_phases(llm: LLM) -> dict[str, float]:
+    """Wrap the step's phases in timers: where the wall time of a run goes. On CUDA the GPU
+    runs asynchronously, so its busy time shows up in wait_for_gpu (and in synchronous copies)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+
+    def timed(owner: object, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[name.strip("_")] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    core = llm.engine.core
+    runner = core.model_runner
+    for owner, name in [
+        (core.scheduler, "schedule"),
+        (runner, "execute_model"),
+        (runner.input_batch, "prepare"),
+        (runner, "_sampling_metadata"),
+        (runner, "_wait_for_device"),
+        (core, "_update"),
+        (llm.engine.output_processor, "process"),
+    ]:
+        timed(owner, name)
+    return totals
 
 
 def single_stream(llm: LLM, prompt: list[int], n: int) -> dict:
@@ -241,6 +281,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--single-stream", action="store_true", help="also time batch-1 decode")
+    parser.add_argument("--profile-steps", action="store_true", help="time the step's phases")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")

@@ -92,5 +92,8 @@ class TorchAttentionBackend:
         keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=query.device)
         mask = (positions[None, :] < meta.seq_lens[:, None].to(query.device))[:, None, None, :]
-        out = _attend(query[:, :, None, :], keys, values, scale, mask)
-        return out[:, :, 0, :]
+        # the query heads sharing a KV head become that head's query rows: no K/V repeat
+        num_reqs, num_heads, head_dim = query.shape
+        grouped = query.view(num_reqs, keys.shape[1], -1, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(num_reqs, num_heads, head_dim)
