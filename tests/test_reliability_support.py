@@ -13,31 +13,15 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from aiohttp import web
+from test_server_support import serving  # noqa: F401 (re-exported for the reliability tests)
 
 from asyncllm import AsyncLLM
-from asyncllm.server import ServerArgs, build_app
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
-
-
-@asynccontextmanager
-async def serving(engine: AsyncLLM, **server_args: Any):
-    """build_app on a free loopback port, in this event loop; yields (url, app)."""
-    app = build_app(engine, ServerArgs(**server_args))
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", app
-    finally:
-        await runner.cleanup()
 
 
 def patch_runner(engine: AsyncLLM, monkeypatch, seconds: float = 0.0, fail_on: set[int] = frozenset()) -> list[int]:  # fmt: skip

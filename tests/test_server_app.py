@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from aiohttp import web
-from test_server_support import parse_sse
+from test_server_support import parse_sse, serving
 
 from asyncllm import AsyncLLM, EngineArgs
-from asyncllm.server import ServerArgs, build_app
+from asyncllm.server import build_app
 from asyncllm.server.app import STATE
 from asyncllm.server.openai_routes import OpenAIRoutes
 
@@ -29,19 +27,6 @@ async def engine(tiny_model_dir):
     engine = AsyncLLM.from_engine_args(args)
     yield engine
     await engine.shutdown()
-
-
-@asynccontextmanager
-async def serving(engine: AsyncLLM, **server_args):
-    app = build_app(engine, ServerArgs(**server_args))
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", app
-    finally:
-        await runner.cleanup()
 
 
 def slow_down(engine: AsyncLLM, monkeypatch, seconds: float, fail_on_call: int = 0) -> None:

@@ -11,9 +11,15 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import orjson
+from aiohttp import web
+
+from asyncllm import AsyncLLM
+from asyncllm.server import ServerArgs, build_app
 
 _SERVING = re.compile(r"serving .* on (http://[\d.]+:\d+)")
 
@@ -87,3 +93,17 @@ def parse_metrics(text: str) -> dict[str, float]:
         if "_bucket" not in name:
             values.setdefault(name, float(value))
     return values
+
+
+@asynccontextmanager
+async def serving(engine: AsyncLLM, **server_args: Any):
+    """build_app on a free loopback port, in this event loop; yields (url, app)."""
+    app = build_app(engine, ServerArgs(**server_args))
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}", app
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,45 @@
+"""Loading weights: sharded safetensors with an index, dummy weights, and missing tensors."""
+
+import json
+
+import pytest
+import transformers
+
+from asyncllm import LLM, SamplingParams
+
+
+def greedy(model: str, **kwargs) -> list[int]:
+    llm = LLM(model=model, max_model_len=256, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    return (
+        llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path) -> None:
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    transformers.AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    assert greedy(str(tmp_path)) == greedy(str(tiny_model_dir))
+
+
+def test_dummy_weights_need_only_a_config(tiny_model_dir, tmp_path) -> None:
+    (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    tokens = greedy(str(tmp_path), load_format="dummy")
+    assert len(tokens) == 6
+
+
+def test_a_checkpoint_missing_tensors_is_refused(tiny_model_dir, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="norm.weight"):
+        LLM(model=str(tmp_path))
