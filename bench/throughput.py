@@ -272,6 +272,7 @@ def main() -> None:
     parser.add_argument(
         "--shape", choices=sorted(SHAPES), help="a benchmark shape with dummy weights"
     )
+    parser.add_argument("--load-format", default="auto", help="auto | dummy (with --model)")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
@@ -292,7 +293,6 @@ def main() -> None:
         args.load_format = "dummy"
     else:
         path = resolve_model_path(args.model)
-        args.load_format = "auto"
     config = transformers.AutoConfig.from_pretrained(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -354,7 +354,7 @@ def main() -> None:
             result["single_stream_floor_tokens_per_s"] = bandwidth / layers_bytes
         print(f"single stream: {ours['single_stream']['decode_tokens_per_s']:.1f} tokens/s")
     if not args.no_peer:
-        model = load_hf(path, args.shape is not None, dtype, device)
+        model = load_hf(path, args.load_format == "dummy", dtype, device)
         peer = (
             run_hf_continuous(model, workload)
             if device.type == "cuda"
