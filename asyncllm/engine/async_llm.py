@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import EngineParts, build_engine
+from asyncllm.engine.build import EngineParts, build_engine, process_outputs
+from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.output_processor import RequestOutputCollector
 from asyncllm.outputs import RequestOutput
@@ -103,17 +104,21 @@ class AsyncLLM:
 
     async def _run_engine(self) -> None:
         core = self.engine.core
+        previous: list[EngineCoreOutput] = []
         try:
             while True:
                 self._apply_aborts()
-                if not core.has_unfinished_requests():
+                if not core.has_unfinished_requests() and not previous:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                processed = self.engine.output_processor.process(await core.step_async())
-                core.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
-                for request in processed.new_requests:
-                    core.add_request(request)
+                launched = core.launch_step()
+                if core.overlap_output_processing:
+                    # detokenize step N-1's outputs while step N computes
+                    process_outputs(self.engine, previous)
+                    previous = await core.step_async(launched)
+                else:
+                    process_outputs(self.engine, await core.step_async(launched))
                 await asyncio.sleep(0)  # let consumers run between steps
         except asyncio.CancelledError:
             raise

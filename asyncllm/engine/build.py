@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.core import EngineCore
+from asyncllm.engine.core import EngineCore, EngineCoreOutput
 from asyncllm.engine.input_processor import InputProcessor, load_tokenizer
 from asyncllm.engine.output_processor import OutputProcessor
+from asyncllm.outputs import RequestOutput
+from asyncllm.request import RequestStatus
 
 
 @dataclass
@@ -31,3 +33,15 @@ def build_engine(args: EngineArgs) -> EngineParts:
         input_processor=InputProcessor(config.model, tokenizer),
         output_processor=OutputProcessor(tokenizer),
     )
+
+
+def process_outputs(engine: EngineParts, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+    """Detokenize a step's outputs and apply what that decides (stop strings, held-back
+    parallel samples) to the engine core; returns outputs not handed to a collector."""
+    if not outputs:
+        return []
+    processed = engine.output_processor.process(outputs)
+    engine.core.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
+    for request in processed.new_requests:
+        engine.core.add_request(request)
+    return processed.request_outputs

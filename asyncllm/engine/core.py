@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from dataclasses import dataclass
 
@@ -15,6 +16,12 @@ from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
 from asyncllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    scheduler_output: SchedulerOutput
+    future: concurrent.futures.Future[ModelRunnerOutput] | None  # None: nothing was scheduled
 
 
 @dataclass
@@ -40,6 +47,12 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
 
+    @property
+    def overlap_output_processing(self) -> bool:
+        """Process step N-1's outputs while step N runs: free when the model runs on a GPU,
+        a loss on CPU, where both would share the same cores."""
+        return self.config.model.device.type == "cuda"
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
@@ -49,36 +62,65 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return self._skip_step(scheduler_output)
-        try:
-            runner_output = self.model_runner.execute_model(scheduler_output)
-        except Exception as e:  # a failed step fails its requests, not the engine
-            return self._fail_step(scheduler_output, e)
-        return self._update(scheduler_output, runner_output)
+    def launch_step(self) -> LaunchedStep:
+        """Schedule a step and start it in the runner's thread; the caller goes on meanwhile."""
+        scheduler_output = self._schedule()
+        if scheduler_output is None:
+            return LaunchedStep(SchedulerOutput(), None)
+        return LaunchedStep(scheduler_output, self.model_runner.execute(scheduler_output))
 
-    async def step_async(self) -> list[EngineCoreOutput]:
-        """The same step, awaiting the runner's future so the event loop keeps running."""
+    def finish_step(self, launched: LaunchedStep) -> list[EngineCoreOutput]:
+        """Wait for a launched step (blocking this thread) and take in its result."""
+        if launched.future is None:
+            return []
+        try:
+            result = launched.future.result()
+        except Exception as e:
+            result = e
+        return self._take_result(launched.scheduler_output, result)
+
+    async def step_async(self, launched: LaunchedStep | None = None) -> list[EngineCoreOutput]:
+        """Finish a launched step (or a new one), awaiting the runner's future so the event loop
+        keeps running meanwhile."""
+        launched = launched or self.launch_step()
+        if launched.future is None:
+            return []
+        try:
+            result = await asyncio.wrap_future(launched.future)
+        except Exception as e:
+            result = e
+        return self._take_result(launched.scheduler_output, result)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One step run in this thread (on CPU about 10% faster than in the worker thread)."""
+        scheduler_output = self._schedule()
+        if scheduler_output is None:
+            return []
+        try:
+            result = self.model_runner.execute_model(scheduler_output)
+        except Exception as e:
+            result = e
+        return self._take_result(scheduler_output, result)
+
+    def _schedule(self) -> SchedulerOutput | None:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return self._skip_step(scheduler_output)
-        try:
-            runner_output = await asyncio.wrap_future(self.model_runner.execute(scheduler_output))
-        except Exception as e:
-            return self._fail_step(scheduler_output, e)
-        return self._update(scheduler_output, runner_output)
+            # nothing to run, but the runner must still forget finished and preempted requests
+            done = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+            self.model_runner.forget(done)
+            return None
+        return scheduler_output
+
+    def _take_result(
+        self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput | Exception
+    ) -> list[EngineCoreOutput]:
+        """A failed step fails its requests, not the engine."""
+        if isinstance(result, Exception):
+            return self._fail_step(scheduler_output, result)
+        return self._update(scheduler_output, result)
 
     def shutdown(self) -> None:
         self.model_runner.shutdown()
-
-    def _skip_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
-        """Nothing to run, but the runner must still forget finished and preempted requests."""
-        self.model_runner.forget(
-            scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
-        )
-        return []
 
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -11,10 +11,10 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import build_engine
+from asyncllm.engine.build import build_engine, process_outputs
+from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
-from asyncllm.request import RequestStatus
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -78,14 +78,18 @@ class LLM:
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        core, output_processor = self.engine.core, self.engine.output_processor
+        core = self.engine.core
+        previous: list[EngineCoreOutput] = []
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while core.has_unfinished_requests():
-                processed = output_processor.process(core.step())
-                core.finish_requests(processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED)
-                for request in processed.new_requests:
-                    core.add_request(request)
-                for output in processed.request_outputs:
+            while core.has_unfinished_requests() or previous:
+                if core.overlap_output_processing:
+                    # detokenize step N-1's outputs while step N computes
+                    launched = core.launch_step()
+                    outputs = process_outputs(self.engine, previous)
+                    previous = core.finish_step(launched)
+                else:
+                    outputs = process_outputs(self.engine, core.step())
+                for output in outputs:
                     finished[output.request_id] = output
                     bar.update(1)
         return [finished[request_id] for request_id in request_ids]
