@@ -20,6 +20,7 @@ from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncllm.engine.async_llm import AsyncLLM
+from asyncllm.models.model_path import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from asyncllm.request import RequestStatus
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.openai_routes import REQUEST_ID, RESPONSE_ID, OpenAIRoutes
@@ -96,7 +97,10 @@ class ServerState:
         self.engine = engine
         self.args = args
         path = engine.engine.config.model.path
-        self.model_name = args.served_model_name or engine.engine.config.args.model or path.name
+        model = engine.engine.config.args.model
+        if model in (None, DEFAULT_MODEL):
+            model = DEFAULT_MODEL_NAME
+        self.model_name = args.served_model_name or model
         self.model_names = {self.model_name, str(path), path.name}
         self.metrics = ServerMetrics(engine, self.model_name)
         self.started = int(time.time())
