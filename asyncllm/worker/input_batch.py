@@ -18,9 +18,7 @@ from asyncllm.core.scheduler_output import SchedulerOutput
 
 @dataclass
 class StepInputs:
-    num_tokens: int
-    num_reqs: int
-    # padded sizes actually handed to the model (a CUDA graph's batch size, else the real ones)
+    # tokens handed to the model: padded up to a CUDA graph's batch size on pure-decode steps
     padded_tokens: int
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -125,8 +123,6 @@ class InputBatch:
         )
         padded_tokens = max(padded, num_tokens)
         return StepInputs(
-            num_tokens=num_tokens,
-            num_reqs=num_reqs,
             padded_tokens=padded_tokens,
             input_ids=self.input_ids.copy_rows(padded_tokens),
             positions=self.positions.copy_rows(padded_tokens),
