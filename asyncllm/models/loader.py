@@ -12,6 +12,7 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import ModelConfig
+from asyncllm.models.layers.linear import pack_linear_layers
 from asyncllm.models.registry import get_model_class
 
 
@@ -26,7 +27,10 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
         missing = {name for name, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"model: the checkpoint lacks {', '.join(sorted(missing)[:5])}")
-    return model.to(config.dtype).eval()
+    model = model.to(config.dtype).eval()
+    if config.device.type == "cpu" and config.dtype == torch.float32:
+        pack_linear_layers(model)
+    return model
 
 
 @contextlib.contextmanager
