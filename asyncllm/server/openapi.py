@@ -35,6 +35,31 @@ def _nullable(schema: Schema) -> Schema:
     return {**schema, "nullable": True}
 
 
+def _response(object_name: str, content: dict[str, Schema]) -> Schema:
+    """A non-streaming completion response; `content` is what each choice carries."""
+    choice = {
+        "type": "object",
+        "properties": {
+            "index": {"type": "integer"},
+            **content,
+            "logprobs": _nullable({"type": "object"}),
+            "finish_reason": _nullable({"type": "string"}),
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [object_name]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": _ref("Usage"),
+        },
+    }
+
+
 _TOKEN_IDS = {"type": "array", "items": _integer(0)}
 _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
 
@@ -148,52 +173,8 @@ _SCHEMAS: dict[str, Schema] = {
             "total_tokens": _integer(0),
         },
     },
-    "Completion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string", "enum": ["text_completion"]},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "text": {"type": "string"},
-                        "logprobs": _nullable({"type": "object"}),
-                        "finish_reason": _nullable({"type": "string"}),
-                    },
-                },
-            },
-            "usage": _ref("Usage"),
-        },
-    },
-    "ChatCompletion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string", "enum": ["chat.completion"]},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "message": _ref("ChatMessage"),
-                        "logprobs": _nullable({"type": "object"}),
-                        "finish_reason": _nullable({"type": "string"}),
-                    },
-                },
-            },
-            "usage": _ref("Usage"),
-        },
-    },
+    "Completion": _response("text_completion", {"text": {"type": "string"}}),
+    "ChatCompletion": _response("chat.completion", {"message": _ref("ChatMessage")}),
     "ModelList": {
         "type": "object",
         "properties": {
