@@ -9,11 +9,13 @@ from kernels.cache import reshape_and_cache
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
+from kernels.qkv_prep import norm_rope_and_cache
 from kernels.rotary import rotary_embedding
 
 __all__ = [
     "choose_num_splits",
     "fused_add_rms_norm",
+    "norm_rope_and_cache",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reshape_and_cache",

@@ -18,6 +18,9 @@ from typing import Protocol
 
 import torch
 
+from asyncllm.models.layers.norm import RMSNorm
+from asyncllm.models.layers.rotary import RotaryEmbedding
+
 
 @dataclass
 class AttentionMetadata:
@@ -41,6 +44,30 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    def prepare_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: RotaryEmbedding,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Split qkv into heads, normalise q and k per head (when the norms are given), rotate
+        them, and write key/value into kv_cache at meta.slot_mapping; return the query."""
+        ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attend over the paged context, which already holds this step's keys and values."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

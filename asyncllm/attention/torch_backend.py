@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.models.layers.norm import RMSNorm
+from asyncllm.models.layers.rotary import RotaryEmbedding
 
 
 def write_kv_cache(
@@ -64,6 +66,33 @@ def _causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Te
 
 
 class TorchAttentionBackend:
+    def prepare_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        heads = qkv.view(qkv.shape[0], -1, head_dim)
+        num_heads = heads.shape[1] - 2 * num_kv_heads
+        query, key, value = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        if q_norm is not None and k_norm is not None:
+            query, key = q_norm(query), k_norm(key)
+        query, key = rotary(positions, query, key)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return query
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        if meta.is_pure_decode:
+            return self._decode(query, kv_cache, meta, scale)
+        return self._varlen(query, kv_cache, meta, scale)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -74,9 +103,7 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        if meta.is_pure_decode:
-            return self._decode(query, kv_cache, meta, scale)
-        return self._varlen(query, kv_cache, meta, scale)
+        return self.attend(query, kv_cache, meta, scale)
 
     def _varlen(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

@@ -5,22 +5,38 @@ from __future__ import annotations
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
-from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from asyncllm.models.layers.norm import RMSNorm
+from asyncllm.models.layers.rotary import RotaryEmbedding
+from kernels import (
+    norm_rope_and_cache,
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+)
 
 
 class TritonAttentionBackend:
     """The decode path does no host sync and no data-dependent allocation: CUDA-graph capturable."""
 
-    def forward(
+    def prepare_qkv(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
     ) -> torch.Tensor:
-        reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        """One launch for the q/k norms, rotary and the KV cache write."""
+        args = (qkv, positions, rotary.cos_sin_cache, kv_cache, meta.slot_mapping)
+        if q_norm is None or k_norm is None:
+            return norm_rope_and_cache(*args)
+        return norm_rope_and_cache(*args, q_norm.weight, k_norm.weight, q_norm.eps)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if meta.is_pure_decode:
             return paged_decode_attention(
                 query,
@@ -39,3 +55,15 @@ class TritonAttentionBackend:
             scale,
             meta.max_query_len,
         )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        return self.attend(query, kv_cache, meta, scale)

@@ -56,14 +56,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        qkv = self.qkv_proj(x)
+        q = self.backend.prepare_qkv(
+            qkv, positions, self.rotary, self.q_norm, self.k_norm, kv_cache, meta
+        )
+        out = self.backend.attend(q, kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
