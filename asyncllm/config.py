@@ -34,6 +34,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
+    # schedule step N+1 while step N runs; None: on when the model runs on a GPU
+    async_scheduling: bool | None = None
     seed: int = 0
     max_logprobs: int = 20
 

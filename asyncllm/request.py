@@ -52,6 +52,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # tokens a launched step is sampling for this request, not yet on the host
+    num_output_placeholders: int = 0
     # tokens found in the prefix cache when first scheduled; -1 until then
     num_cached_tokens: int = -1
     num_preemptions: int = 0
@@ -74,6 +76,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its sampling reads its output so far on the host (bad words, penalties, min_tokens
+        not reached yet), so no step for it can be scheduled while its last token is in flight."""
+        params = self.sampling_params
+        return (
+            bool(params.bad_words)
+            or params.uses_penalties
+            or self.num_output_tokens < params.min_tokens
+        )
 
     @property
     def is_finished(self) -> bool:

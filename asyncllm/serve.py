@@ -84,7 +84,7 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     """One flag per EngineArgs field, typed from its default (vLLM's flag names)."""
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
+        if str(f.type).startswith("bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif isinstance(f.default, int | float):
             group.add_argument(flag, type=type(f.default), default=f.default)

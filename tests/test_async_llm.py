@@ -71,13 +71,13 @@ async def test_event_loop_stays_responsive_while_the_model_computes(engine, monk
     # one request first, so one-time set-up on the loop (tokenizer, decoder) is not measured
     await collect(engine, "warm up", SamplingParams(max_tokens=2, ignore_eos=True), "warm")
     runner = engine.engine.core.model_runner
-    real_execute = runner.execute_model
+    real_execute = runner.launch_model
 
     def slow_execute(scheduler_output):
         time.sleep(0.3)
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "execute_model", slow_execute)
+    monkeypatch.setattr(runner, "launch_model", slow_execute)
     gaps: list[float] = []
     done = asyncio.Event()
 

@@ -28,7 +28,7 @@ def patch_runner(engine: AsyncLLM, monkeypatch, seconds: float = 0.0, fail_on: s
     """Each model step sleeps `seconds` (in the runner thread); the steps numbered in fail_on
     (1-based) raise instead. Returns the list of step numbers run so far."""
     runner = engine.engine.core.model_runner
-    real_execute = runner.execute_model
+    real_execute = runner.launch_model
     steps: list[int] = []
 
     def execute(scheduler_output):
@@ -38,7 +38,7 @@ def patch_runner(engine: AsyncLLM, monkeypatch, seconds: float = 0.0, fail_on: s
             raise RuntimeError("injected fault: the device fell over")
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "execute_model", execute)
+    monkeypatch.setattr(runner, "launch_model", execute)
     return steps
 
 

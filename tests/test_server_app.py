@@ -31,7 +31,7 @@ async def engine(tiny_model_dir):
 
 def slow_down(engine: AsyncLLM, monkeypatch, seconds: float, fail_on_call: int = 0) -> None:
     runner = engine.engine.core.model_runner
-    real_execute = runner.execute_model
+    real_execute = runner.launch_model
     calls = 0
 
     def execute(scheduler_output):
@@ -42,7 +42,7 @@ def slow_down(engine: AsyncLLM, monkeypatch, seconds: float, fail_on_call: int =
             raise RuntimeError("the device fell over")
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "execute_model", execute)
+    monkeypatch.setattr(runner, "launch_model", execute)
 
 
 STREAM = {"stream": True, "ignore_eos": True, "temperature": 0}
@@ -87,10 +87,10 @@ async def test_a_slow_reader_gets_merged_deltas_while_the_engine_runs_on(engine)
 async def test_a_dropped_stream_is_aborted_within_a_step(engine, monkeypatch) -> None:
     steps = []
     slow_down(engine, monkeypatch, 0.02)
-    real_execute = engine.engine.core.model_runner.execute_model
+    real_execute = engine.engine.core.model_runner.launch_model
     monkeypatch.setattr(
         engine.engine.core.model_runner,
-        "execute_model",
+        "launch_model",
         lambda out: steps.append(1) or real_execute(out),
     )
     body = {"prompt": "x", "max_tokens": 400, **STREAM}

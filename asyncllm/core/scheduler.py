@@ -2,6 +2,9 @@
 
 There are no prefill and decode phases: every scheduled request catches its num_computed_tokens
 up to its num_tokens, running requests first (in order), then waiting ones (in queue order).
+A step that samples leaves a placeholder for the token until it comes back, so the next step can
+be scheduled while this one runs (async scheduling): that step's input token is the placeholder,
+which the model runner takes from the device.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(request, num_computed)
             if token_id is None:
                 continue
+            request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
             if status is not None:
@@ -147,6 +151,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.num_output_placeholders and not self._may_run_ahead(request):
+                continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
             if num_new == 0:
                 continue
@@ -171,8 +177,18 @@ class Scheduler:
             elif not self._preempt_lower_priority(request, step):
                 break
 
+    def _may_run_ahead(self, request: Request) -> bool:
+        """Whether to schedule a request whose last token is still being sampled: not when its
+        sampling needs that token on the host, nor when that token is its last anyway."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return (
+            not request.needs_host_tokens
+            and request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+            and num_tokens < self.config.max_model_len
+        )
+
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        num_new = request.num_tokens + request.num_output_placeholders - num_computed
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         if num_new > budget and not self.config.enable_chunked_prefill:
@@ -207,6 +223,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight is dropped and sampled again
         request.num_preemptions += 1
         self.num_preemptions += 1
         undone = step.scheduled.pop(request.request_id, None)
@@ -228,10 +245,11 @@ class Scheduler:
         self._record(request, num_new, block_ids, step)
 
     def _record(self, request: Request, num_new: int, block_ids: list[int], step: _Step) -> None:
-        step.scheduled[request.request_id] = ScheduledRequest(
-            request, num_new, request.num_computed_tokens, block_ids
-        )
+        scheduled = ScheduledRequest(request, num_new, request.num_computed_tokens, block_ids)
+        step.scheduled[request.request_id] = scheduled
         request.num_computed_tokens += num_new
+        if scheduled.completes_prompt:
+            request.num_output_placeholders += 1
         step.budget -= num_new
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -10,6 +10,9 @@ from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step, fixed when scheduled: the request itself may move on
+    (take in the previous step's token) while the runner still prepares this step."""
+
     request: Request
     # tokens computed this step: all_token_ids[num_computed_tokens : num_computed_tokens + n]
     num_new_tokens: int
@@ -17,11 +20,16 @@ class ScheduledRequest:
     num_computed_tokens: int
     # the request's whole block table after this step's allocation
     block_ids: list[int]
+    # this step's input tokens known on the host when scheduled; one fewer than num_new_tokens
+    # when the last is the token the step in flight samples (async scheduling)
+    token_ids: list[int] = field(init=False)
+    # the step reaches the end of the request's tokens, so it samples the next one
+    completes_prompt: bool = field(init=False)
 
-    @property
-    def completes_prompt(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        end = self.num_computed_tokens + self.num_new_tokens
+        self.token_ids = self.request.all_token_ids[self.num_computed_tokens : end]
+        self.completes_prompt = end >= self.request.num_tokens
 
 
 @dataclass

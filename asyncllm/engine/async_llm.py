@@ -10,7 +10,6 @@ from typing import Any
 
 from asyncllm.config import EngineArgs
 from asyncllm.engine.build import EngineParts, build_engine, process_outputs
-from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.output_processor import RequestOutputCollector
 from asyncllm.outputs import RequestOutput
@@ -104,21 +103,15 @@ class AsyncLLM:
 
     async def _run_engine(self) -> None:
         core = self.engine.core
-        previous: list[EngineCoreOutput] = []
         try:
             while True:
                 self._apply_aborts()
-                if not core.has_unfinished_requests() and not previous:
+                if not core.has_work():
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                launched = core.launch_step()
-                if core.overlap_output_processing:
-                    # detokenize step N-1's outputs while step N computes
-                    process_outputs(self.engine, previous)
-                    previous = await core.step_async(launched)
-                else:
-                    process_outputs(self.engine, await core.step_async(launched))
+                # with async scheduling, detokenizes step N while step N+1 computes
+                process_outputs(self.engine, await core.step_async())
                 await asyncio.sleep(0)  # let consumers run between steps
         except asyncio.CancelledError:
             raise

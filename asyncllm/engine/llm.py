@@ -12,7 +12,6 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncllm.config import EngineArgs
 from asyncllm.engine.build import build_engine, process_outputs
-from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -79,17 +78,10 @@ class LLM:
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         core = self.engine.core
-        previous: list[EngineCoreOutput] = []
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while core.has_unfinished_requests() or previous:
-                if core.overlap_output_processing:
-                    # detokenize step N-1's outputs while step N computes
-                    launched = core.launch_step()
-                    outputs = process_outputs(self.engine, previous)
-                    previous = core.finish_step(launched)
-                else:
-                    outputs = process_outputs(self.engine, core.step())
-                for output in outputs:
+            while core.has_work():
+                # with async scheduling, detokenizes step N while step N+1 computes
+                for output in process_outputs(self.engine, core.step()):
                     finished[output.request_id] = output
                     bar.update(1)
         return [finished[request_id] for request_id in request_ids]

@@ -2,7 +2,9 @@
 every step, so a decode step appends a block id now and then instead of rebuilding tables.
 
 Host arrays are numpy views of pinned tensors (on CUDA), copied to fixed device buffers with
-non_blocking copies; the device buffers double as the static inputs of the CUDA graphs.
+non_blocking copies; the device buffers double as the static inputs of the CUDA graphs. With
+async scheduling a step is prepared while the one before runs: the host staging is double
+buffered, and a token the step before is still sampling is copied over on the device.
 """
 
 from __future__ import annotations
@@ -27,14 +29,29 @@ class StepInputs:
     sampling_rows: list[int]  # scheduled index of each logits row
 
 
+@dataclass
+class DeviceTokens:
+    """The ids a launched step sampled, still on the device: inputs of the next step for the
+    requests it was scheduled ahead for."""
+
+    token_ids: torch.Tensor  # int64 [R]
+    rows: dict[str, int]  # request id -> index in token_ids
+
+
 class _Buffer:
-    """A pinned host tensor with a numpy view, and its device twin."""
+    """Pinned host tensors with numpy views, and their device twin. Steps alternate between two
+    host tensors: when step N+1 is filled, step N's copy may still wait on the stream, but step
+    N-1, which used the same tensor, is done."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         pin = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.np = self.host.numpy()
+        self._hosts = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.host, self.np = self._hosts[0], self._hosts[0].numpy()
         self.device = torch.zeros(shape, dtype=dtype, device=device)
+
+    def flip(self) -> None:
+        self.host = self._hosts[1] if self.host is self._hosts[0] else self._hosts[0]
+        self.np = self.host.numpy()
 
     def copy_rows(self, n: int) -> torch.Tensor:
         self.device[:n].copy_(self.host[:n], non_blocking=True)
@@ -66,6 +83,10 @@ class InputBatch:
         self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)
         self.block_tables = _Buffer((max_num_reqs, max_blocks), torch.int32, device)
         self.logits_indices = _Buffer((max_num_reqs,), torch.int64, device)
+        # where tokens sampled on the device go in input_ids, and where they come from
+        self.device_token_targets = _Buffer((max_num_reqs,), torch.int64, device)
+        self.device_token_sources = _Buffer((max_num_reqs,), torch.int64, device)
+        self._buffers = [v for v in vars(self).values() if isinstance(v, _Buffer)]
 
     def remove_requests(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -74,22 +95,24 @@ class InputBatch:
                 self.num_blocks[row] = 0
                 self.free_rows.append(row)
 
-    def prepare(self, scheduler_output: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
-        """Fill the buffers for this step; pad_to pads a pure-decode batch to a graph's size."""
+    def prepare(
+        self,
+        scheduler_output: SchedulerOutput,
+        pad_to: int | None = None,
+        previous: DeviceTokens | None = None,
+    ) -> StepInputs:
+        """Fill the buffers for this step; pad_to pads a pure-decode batch to a graph's size;
+        previous: the ids sampled by the step before, for inputs not yet on the host."""
         self.remove_requests(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
+        for buffer in self._buffers:
+            buffer.flip()
         scheduled = scheduler_output.scheduled
         rows = np.array([self._sync_row(s.request.request_id, s.block_ids) for s in scheduled])
         starts = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
         counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         num_reqs, num_tokens = len(scheduled), int(counts.sum())
-
-        ids = self.input_ids.np
-        offset = 0
-        for s in scheduled:
-            start, n = s.num_computed_tokens, s.num_new_tokens
-            ids[offset : offset + n] = s.request.all_token_ids[start : start + n]
-            offset += n
         cu = np.cumsum(counts)
+        num_on_device = self._fill_input_ids(scheduler_output, cu, previous)
         owner = np.repeat(np.arange(num_reqs), counts)
         positions = np.arange(num_tokens) - np.repeat(cu - counts, counts) + starts[owner]
         self.positions.np[:num_tokens] = positions
@@ -122,14 +145,40 @@ class InputBatch:
             seq_lens_cpu=seq_lens.tolist(),
         )
         padded_tokens = max(padded, num_tokens)
+        input_ids = self.input_ids.copy_rows(padded_tokens)
+        if num_on_device:
+            targets = self.device_token_targets.copy_rows(num_on_device)
+            sources = self.device_token_sources.copy_rows(num_on_device)
+            input_ids.index_copy_(0, targets, previous.token_ids.index_select(0, sources))
         return StepInputs(
             padded_tokens=padded_tokens,
-            input_ids=self.input_ids.copy_rows(padded_tokens),
+            input_ids=input_ids,
             positions=self.positions.copy_rows(padded_tokens),
             meta=meta,
             logits_indices=self.logits_indices.copy_rows(len(sampling_rows)),
             sampling_rows=sampling_rows,
         )
+
+    def _fill_input_ids(
+        self, scheduler_output: SchedulerOutput, ends: np.ndarray, previous: DeviceTokens | None
+    ) -> int:
+        """Writes the host-known input ids; lists the ones still on the device (the last input
+        of a request scheduled ahead of its sampled token) and returns how many there are."""
+        ids, num_on_device = self.input_ids.np, 0
+        for s, end in zip(scheduler_output.scheduled, ends.tolist()):
+            start = end - s.num_new_tokens
+            ids[start : start + len(s.token_ids)] = s.token_ids
+            if len(s.token_ids) < s.num_new_tokens:
+                source = None if previous is None else previous.rows.get(s.request.request_id)
+                if source is None:
+                    raise RuntimeError(
+                        f"the input token of request {s.request.request_id!r} is neither on "
+                        "the host nor sampled by the previous step"
+                    )
+                self.device_token_targets.np[num_on_device] = end - 1
+                self.device_token_sources.np[num_on_device] = source
+                num_on_device += 1
+        return num_on_device
 
     def _sync_row(self, request_id: str, block_ids: list[int]) -> int:
         """The request's row, with any blocks allocated since the last step appended."""

@@ -1,9 +1,12 @@
-"""Runs one scheduled step: flat batch -> model -> sampled ids, in a worker thread.
+"""Runs one scheduled step: flat batch -> model -> sampled ids, off the caller's thread.
 
 `execute()` returns a concurrent future at once; the engine task awaits it, so the event loop
-keeps serving while the model computes (torch releases the GIL inside its kernels). On CUDA the
-step runs on the runner's own stream, inputs are copied from pinned buffers without blocking,
-pure-decode steps replay CUDA graphs, and the future completes when the sampled ids are on the host.
+keeps serving while the model computes (torch releases the GIL inside its kernels). A launcher
+thread prepares each step and enqueues it on the runner's own CUDA stream (inputs copied from
+pinned buffers without blocking, pure-decode steps replaying CUDA graphs, sampled ids copied back
+without blocking); a collector thread waits for the step's event and completes the future. So
+the launcher can enqueue step N+1 while step N still runs, taking the tokens N samples from the
+device (async scheduling). On CPU both happen in the launcher, one step after the other.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -18,15 +23,28 @@ from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.models.loader import load_model
-from asyncllm.sample.logprobs import PromptSpan, compute_prompt_logprobs, prompt_span
+from asyncllm.sample.logprobs import (
+    LogprobsTensors,
+    PromptLogprobs,
+    PromptSpan,
+    compute_prompt_logprobs,
+    prompt_span,
+)
 from asyncllm.sample.metadata import SamplingMetadata, TokenHistory
-from asyncllm.sample.sampler import Sampler
+from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.worker.cuda_graph import CudaGraphRunner, batch_size_ladder
-from asyncllm.worker.input_batch import InputBatch, StepInputs
+from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 
 _CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
 _MAX_CUDA_GRAPH_BATCH = 512
+
+
+def _complete(result: concurrent.futures.Future, produce: Callable[[], object]) -> None:
+    try:
+        result.set_result(produce())
+    except BaseException as e:
+        result.set_exception(e)
 
 
 def _stream_context(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
@@ -43,6 +61,41 @@ def make_attention_backend(name: str) -> AttentionBackend:
 
         return TritonAttentionBackend()
     raise ValueError(f"attention_backend must be torch, triton or auto; got {name!r}.")
+
+
+@dataclass
+class LaunchedModelStep:
+    """A step enqueued on the device; wait() turns it into the ModelRunnerOutput."""
+
+    num_scheduled: int
+    sampling_rows: list[int]
+    sampled: SamplerOutput | None  # host tensors, filled once `done` has happened
+    meta: SamplingMetadata | None
+    prompt_logprobs: dict[str, PromptLogprobs]
+    done: torch.cuda.Event | None  # None on CPU, where the step ran to its end already
+
+    def wait(self) -> ModelRunnerOutput:
+        """Blocks this thread (Event.synchronize releases the GIL) until the ids are here."""
+        if self.done is not None:
+            self.done.synchronize()
+        output = ModelRunnerOutput(sampled_token_ids=[None] * self.num_scheduled)
+        if self.sampled is not None:
+            output.set_sampled(self.sampling_rows, *self.sampled.to_host(self.meta))
+        output.prompt_logprobs = self.prompt_logprobs
+        return output
+
+
+def _copy_to_host(sampled: SamplerOutput) -> SamplerOutput:
+    """Non-blocking copies into pinned memory, readable once the step's event has happened."""
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to("cpu", non_blocking=True)
+
+    logprobs = sampled.logprobs
+    if logprobs is not None:
+        fields = dataclasses.fields(logprobs)
+        logprobs = LogprobsTensors(*(copy(getattr(logprobs, f.name)) for f in fields))
+    return SamplerOutput(copy(sampled.sampled_token_ids), logprobs)
 
 
 class ModelRunner:
@@ -69,25 +122,54 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.decode_sizes = self._decode_sizes()
         self.cuda_graphs = self._capture_cuda_graphs()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-runner")
+        self._last_sampled: DeviceTokens | None = None
+        self._launcher = concurrent.futures.ThreadPoolExecutor(1, "model-runner-launch")
+        self._collector = concurrent.futures.ThreadPoolExecutor(1, "model-runner-collect")
 
     def execute(
         self, scheduler_output: SchedulerOutput
     ) -> concurrent.futures.Future[ModelRunnerOutput]:
-        return self._executor.submit(self.execute_model, scheduler_output)
+        """Launches the step in the launcher thread; the future completes in the collector."""
+        result: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
+        self._launcher.submit(self._launch_and_collect, scheduler_output, result)
+        return result
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._launcher.shutdown(wait=True, cancel_futures=True)
+        self._collector.shutdown(wait=True, cancel_futures=True)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on the runner's own CUDA stream; returns once the sampled ids are on the host."""
-        with torch.inference_mode(), _stream_context(self.stream):
-            return self._execute(scheduler_output)
+        """One step in this thread, returning once the sampled ids are on the host."""
+        return self.launch_model(scheduler_output).wait()
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.forget(scheduler_output.finished_req_ids)
+    def _launch_and_collect(
+        self,
+        scheduler_output: SchedulerOutput,
+        result: concurrent.futures.Future[ModelRunnerOutput],
+    ) -> None:
+        try:
+            launched = self.launch_model(scheduler_output)
+        except BaseException as e:
+            result.set_exception(e)
+            return
+        if launched.done is None:  # on CPU the step has run already
+            _complete(result, launched.wait)
+        else:
+            self._collector.submit(_complete, result, launched.wait)
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
+        """Enqueues one step on the runner's own CUDA stream (on CPU: runs it)."""
+        with torch.inference_mode(), _stream_context(self.stream):
+            try:
+                return self._launch(scheduler_output)
+            except BaseException:
+                self._last_sampled = None  # what the failed step would have sampled is unknown
+                raise
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
+        self._forget(scheduler_output.finished_req_ids)
         decode_size = self._decode_batch_size(scheduler_output)
-        inputs = self.input_batch.prepare(scheduler_output, pad_to=decode_size)
+        inputs = self.input_batch.prepare(scheduler_output, decode_size, self._last_sampled)
         prompt_spans = self._prompt_spans(scheduler_output)
         hidden = None
         if decode_size is not None:
@@ -95,17 +177,30 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        output = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduler_output.scheduled))
+        sampled = meta = None
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             sampled = self.sampler(logits, meta)
-            self._wait_for_device()
-            output.set_sampled(inputs.sampling_rows, *sampled.to_host(meta))
+            ids = [
+                scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
+            ]
+            self._last_sampled = DeviceTokens(
+                sampled.sampled_token_ids, dict(zip(ids, range(len(ids))))
+            )
+            sampled = _copy_to_host(sampled)
+        prompt_logprobs = {}
         if prompt_spans:
-            output.prompt_logprobs = compute_prompt_logprobs(
+            prompt_logprobs = compute_prompt_logprobs(
                 hidden, prompt_spans, self.model.compute_logits
             )
-        return output
+        return LaunchedModelStep(
+            len(scheduler_output.scheduled),
+            inputs.sampling_rows,
+            sampled,
+            meta,
+            prompt_logprobs,
+            self._record_event(),
+        )
 
     def _decode_batch_size(self, scheduler_output: SchedulerOutput) -> int | None:
         """For a pure-decode step on the GPU, the padded batch size of its CUDA graph; else None.
@@ -139,13 +234,12 @@ class ModelRunner:
             offset += s.num_new_tokens
         return spans
 
-    def _wait_for_device(self) -> None:
-        """Block this worker thread (never the event loop) until the step's kernels are done;
-        Event.synchronize releases the GIL while it waits."""
-        if self.stream is not None:
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            event.synchronize()
+    def _record_event(self) -> torch.cuda.Event | None:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _decode_sizes(self) -> list[int]:
         model = self.config.model
@@ -178,7 +272,7 @@ class ModelRunner:
             self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
         return self.generators[request_id]
 
-    def forget(self, request_ids: set[str]) -> None:
+    def _forget(self, request_ids: set[str]) -> None:
         self.input_batch.remove_requests(request_ids)
         self.token_history.forget(request_ids)
         for request_id in request_ids:

@@ -1,0 +1,125 @@
+"""Async scheduling: step N+1 is scheduled and launched while step N runs, its input token taken
+from the device. Checked on CPU, where it is off by default, against the serial engine."""
+
+import asyncio
+
+import pytest
+import torch
+from test_scheduler import fake_run, make_request, make_scheduler
+
+from asyncllm import LLM, AsyncLLM, EngineArgs, SamplingParams
+from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from asyncllm.worker.input_batch import DeviceTokens, InputBatch
+
+PROMPTS = ["Tell me a story", "The weather today", "One two three", "A B C D E F G"]
+
+
+def outputs(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list:
+    results = llm.generate(prompts, params, use_tqdm=False)
+    core = llm.engine.core
+    assert core.kv_cache_manager.usage == 0 and not core.has_work()
+    return [[(c.text, c.token_ids, c.finish_reason) for c in r.outputs] for r in results]
+
+
+def test_async_scheduling_gives_the_serial_outputs(tiny_model_dir) -> None:
+    serial = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=False)
+    ahead = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
+    assert ahead.engine.core.async_scheduling and not serial.engine.core.async_scheduling
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    texts = [c[0][0] for c in outputs(serial, PROMPTS, [free] * len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, stop=[texts[0][6:9]]),  # stop string
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3),
+        # sampling that reads the output on the host: never scheduled ahead
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=5, bad_words=["the"]),
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True),
+    ]
+    prompts = PROMPTS + ["Two samples"]
+    expected = outputs(serial, prompts, params)
+    assert outputs(ahead, prompts, params) == expected
+    assert expected[0][0][2] == "stop" and len(expected[1][0][1]) == 9
+
+
+def test_async_scheduling_under_preemption_matches_an_unpressured_run(tiny_model_dir) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [f"{p} and so on and so forth" for p in PROMPTS]
+    roomy = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
+    tight = LLM(
+        model=str(tiny_model_dir), max_model_len=512, async_scheduling=True, num_kv_blocks=12
+    )
+    assert outputs(tight, prompts, [params] * 4) == outputs(roomy, prompts, [params] * 4)
+    assert tight.engine.core.scheduler.num_preemptions > 0
+
+
+@pytest.fixture
+async def ahead_engine(tiny_model_dir):
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
+    engine = AsyncLLM.from_engine_args(args)
+    yield engine
+    await engine.shutdown()
+
+
+async def test_async_scheduling_streams_to_the_end_and_aborts(ahead_engine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    final = [o async for o in ahead_engine.generate("hello", params, "r")][-1]
+    assert final.finished and len(final.outputs[0].token_ids) == 12
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    async for output in ahead_engine.generate("hello again", long, "long"):
+        if len(output.outputs[0].token_ids) >= 3:
+            ahead_engine.abort("long")
+            break
+    core = ahead_engine.engine.core
+    for _ in range(500):
+        if not core.has_work():
+            break
+        await asyncio.sleep(0.01)
+    assert not core.has_work() and core.kv_cache_manager.usage == 0
+
+
+def test_scheduler_runs_ahead_of_the_sampled_token() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", 5, max_tokens=3, ignore_eos=True))
+    scheduler.add_request(make_request("pen", 5, max_tokens=3, presence_penalty=0.5))
+    first = scheduler.schedule()
+    # step 2 is scheduled before step 1's tokens come back: "a" decodes its placeholder,
+    # "pen" (penalties read the output on the host) waits
+    second = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens, s.token_ids) for s in second.scheduled] == [
+        ("a", 1, [])
+    ]
+    scheduler.update_from_output(first, fake_run(first))
+    third = scheduler.schedule()
+    assert {s.request.request_id: s.token_ids for s in third.scheduled} == {"a": [], "pen": [7]}
+    scheduler.update_from_output(second, fake_run(second))
+    # "a" has 2 tokens and its third and last in flight; "pen" has one in flight
+    assert scheduler.schedule().is_empty
+    scheduler.update_from_output(third, fake_run(third))
+    assert scheduler.get_request("a") is None
+    fourth = scheduler.schedule()
+    assert [(s.request.request_id, s.token_ids) for s in fourth.scheduled] == [("pen", [7])]
+    scheduler.update_from_output(fourth, fake_run(fourth))
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+
+def test_input_batch_takes_a_token_still_on_the_device() -> None:
+    batch = InputBatch(
+        max_num_reqs=4,
+        max_num_tokens=16,
+        max_model_len=64,
+        block_size=4,
+        device=torch.device("cpu"),
+    )
+    waiting = make_request("w", 3)
+    decoding = make_request("d", 2)
+    decoding.num_output_placeholders = 1  # its third token is being sampled
+    step = SchedulerOutput(
+        [ScheduledRequest(waiting, 3, 0, [5]), ScheduledRequest(decoding, 1, 2, [6])]
+    )
+    assert step.scheduled[1].token_ids == []
+    previous = DeviceTokens(torch.tensor([41, 42]), {"x": 0, "d": 1})
+    inputs = batch.prepare(step, previous=previous)
+    assert inputs.input_ids.tolist() == [10, 11, 12, 42]
+    with pytest.raises(RuntimeError, match="neither on the host"):
+        batch.prepare(step, previous=DeviceTokens(torch.tensor([41]), {"x": 0}))
