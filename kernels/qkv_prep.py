@@ -60,8 +60,9 @@ def _norm_rope_and_cache_kernel(
     mask = i < HALF
     row = qkv_ptr + token * qkv_stride_t
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + i, mask=mask, other=0.0)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + i, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i, mask=mask, other=0.0)
+    sin = sin.to(tl.float32)
     if head < NUM_HEADS:
         x1, x2 = _norm_rope_head(
             row + head * head_dim, q_norm_weight_ptr, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF
@@ -100,8 +101,8 @@ def norm_rope_and_cache(
     """The query [T, num_heads, head_dim] of the fused projection qkv [T, (Hq + 2 * Hkv) * D].
 
     Each q and k head is RMS-normalised over head_dim (when the norm weights [D] are given), then
-    rotated (neox layout) by the angles of positions[t] in cos_sin_cache [max_position, D] (fp32,
-    cos | sin); k and the raw v go to kv_cache [2, num_blocks, block_size, Hkv, D] (contiguous) at
+    rotated (neox layout) by the angles of positions[t] in cos_sin_cache [max_position, D]
+    (cos | sin, in the model's dtype or fp32); k and the raw v go to kv_cache [2, num_blocks, block_size, Hkv, D] (contiguous) at
     slot_mapping[t], skipped where it is -1. Norm and rotary share fp32, rounded once at the store.
     No host sync, no data-dependent allocation: CUDA-graph capturable.
     """
@@ -110,7 +111,7 @@ def norm_rope_and_cache(
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     assert kv_cache.is_contiguous() and cos_sin_cache.shape[-1] == head_dim
-    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.stride(-1) == 1
     assert (q_norm_weight is None) == (k_norm_weight is None)
     query = qkv.new_empty(num_tokens, num_heads, head_dim)
     if num_tokens == 0:

@@ -176,8 +176,10 @@ class EngineCore:
     def _fail_step(
         self, scheduler_output: SchedulerOutput, error: Exception
     ) -> list[EngineCoreOutput]:
-        logger.exception(
-            "engine step failed; failing its %d requests", len(scheduler_output.scheduled)
+        logger.error(
+            "engine step failed; failing its %d requests",
+            len(scheduler_output.scheduled),
+            exc_info=error,
         )
         ids = [s.request.request_id for s in scheduler_output.scheduled]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
