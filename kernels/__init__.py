@@ -11,6 +11,7 @@ from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.qkv_prep import norm_rope_and_cache
 from kernels.rotary import rotary_embedding
+from kernels.skinny_gemm import skinny_gemm
 
 __all__ = [
     "choose_num_splits",
@@ -22,4 +23,5 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "skinny_gemm",
 ]

@@ -237,7 +237,8 @@ class ModelRunner:
     def _record_event(self) -> torch.cuda.Event | None:
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
+        # blocking: the collector thread sleeps in the wait instead of spinning in the driver
+        event = torch.cuda.Event(blocking=True)
         event.record(self.stream)
         return event
 
