@@ -19,6 +19,8 @@ from torch import nn
 from kernels import skinny_gemm
 
 SKINNY_MAX_ROWS = 8
+# rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
+_ROWS_HINT = 32
 
 
 class Linear(nn.Linear):
@@ -34,13 +36,14 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.out_features = linear.out_features
-        self.register_buffer("weight", linear.weight.detach().to_mkldnn())
-        bias = linear.bias.detach().to_mkldnn() if linear.bias is not None else None
+        weight = linear.weight.detach()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT))
+        bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias)
-        return out.to_dense()
+        # dense in, dense out: no to_mkldnn / to_dense conversions around the GEMM
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def pack_linear_layers(model: nn.Module) -> None:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The H200 figures of README and bench/NOTES.md, in three device calls of under 10 minutes each:
+#   bench/h200_session.sh checks OUT      GPU tests, kernel and sampler benches, batch-1 profile
+#   bench/h200_session.sh throughput OUT  offline Qwen3-0.6B (with the HF peer) and Llama-3.1-8B
+#   bench/h200_session.sh serving OUT     serving against offline (bench/serving_vs_offline.sh)
+# Wheels the GPU image lacks (orjson, gguf) travel in .whl/; serving needs the SmolLM2 tokenizer
+# files in .tok/ (the serving benchmark times text).
+set -uo pipefail
+what=$1 out=$2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+workload=(--num-requests 256 --min-len 100 --max-len 1024 --max-model-len 4096
+  --max-num-batched-tokens 8192)
+
+case $what in
+checks)
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels_skinny_gemm.py \
+    tests/test_kernels_sampling.py tests/test_kernels_qkv_prep.py tests/test_gpu_engine.py \
+    tests/test_sampler.py tests/test_model_vs_hf.py > "$out/gpu_tests_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_h200.txt"
+  python3 bench/kernels.py --sections skinny_gemm --out "$out/skinny_gemm_h200.json" | tail -4
+  python3 bench/sampler.py --device cuda --decode-step --out "$out/sampler_h200.json" | tail -4
+  python3 bench/profile_decode.py --batch 1 --steps 64 --out "$out/profile_decode_qwen3_h200.json" \
+    > /dev/null
+  ;;
+throughput)
+  python3 bench/throughput.py --shape qwen3-0.6b "${workload[@]}" --single-stream \
+    --out "$out/throughput_qwen3_h200.json" | tail -3
+  python3 bench/throughput.py --shape llama-3.1-8b "${workload[@]}" --single-stream --no-peer \
+    --out "$out/throughput_llama8b_h200.json" | tail -3
+  ;;
+serving)
+  python3 - <<'PY'
+import json, shutil
+from asyncllm.models.shapes import SHAPES
+# the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer
+config = dict(SHAPES["qwen3-0.6b"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
+shutil.copytree(".tok", "/tmp/q3", dirs_exist_ok=True)
+json.dump(config, open("/tmp/q3/config.json", "w"))
+PY
+  bench/serving_vs_offline.sh /tmp/q3 "$out" dummy
+  ;;
+esac
+grep -h "engine step failed" "$out"/*.txt "$out"/*.log 2>/dev/null | head -3
