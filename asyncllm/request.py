@@ -78,17 +78,6 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def needs_host_tokens(self) -> bool:
-        """Its sampling reads its output so far on the host (bad words, penalties, min_tokens
-        not reached yet), so no step for it can be scheduled while its last token is in flight."""
-        params = self.sampling_params
-        return (
-            bool(params.bad_words)
-            or params.uses_penalties
-            or self.num_output_tokens < params.min_tokens
-        )
-
-    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

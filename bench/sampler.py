@@ -4,6 +4,11 @@ Qwen3's vocabulary), greedy against every processor on, metadata build and sampl
     python bench/sampler.py --device cpu --out bench/results/sampler_cpu.json
     python bench/sampler.py --device cuda --decode-step --out $OUT/sampler_h200.json
 
+The sampler is the one a SamplingState picks for the device (on CUDA the fused Triton path;
+--torch-sampler forces the torch one). build_ms is SamplingState.metadata; sample_ms the sampler,
+record_sampled and the ids' copy to the host. Every step but in scenarios ending in
+"_batch_changes" keeps the batch, so the metadata comes from the state's cache; there the batch
+order rotates each step, as when requests come and go, and the metadata is rebuilt.
 --decode-step also times whole engine decode steps of a dummy-weight Qwen3-0.6B at the same
 batch (greedy, and with every processor on) and the sampler's share of them.
 """
@@ -30,8 +35,8 @@ import torch
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from asyncllm.request import Request  # noqa: E402
-from asyncllm.sample.metadata import SamplingMetadata, TokenHistory  # noqa: E402
 from asyncllm.sample.sampler import Sampler  # noqa: E402
+from asyncllm.sample.state import SamplingState  # noqa: E402
 from asyncllm.sampling_params import SamplingParams  # noqa: E402
 
 EOS = 151645
@@ -66,9 +71,10 @@ def scenarios(vocab: int) -> dict[str, list[SamplingParams]]:
             SamplingParams(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
         ],
         "logprobs_20": [SamplingParams(temperature=0.8, logprobs=20)],
-        # half the rows seeded: each draws its noise from its own generator
+        # half the rows seeded: their draws depend only on their seed and tokens so far
         "all": [SamplingParams(**everything, seed=1), SamplingParams(**everything)],
         "mixed_greedy_and_all": [SamplingParams(temperature=0), SamplingParams(**everything)],
+        "all_batch_changes": [SamplingParams(**everything, seed=1), SamplingParams(**everything)],
     }
 
 
@@ -92,7 +98,8 @@ def make_requests(
     for i in range(batch):
         p = params[i % len(params)]
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        request = Request(str(i), prompt, p, eos_token_ids=frozenset({EOS}), max_tokens=10**6)
+        eos = frozenset({min(EOS, vocab - 1)})  # a small --vocab has no id 151645
+        request = Request(str(i), prompt, p, eos_token_ids=eos, max_tokens=10**6)
         request.bad_words_token_ids = (
             [[rng.randrange(vocab), rng.randrange(vocab)]] if p.bad_words else []
         )
@@ -108,30 +115,35 @@ def sync(device: torch.device) -> None:
 
 
 def time_sampler(
-    requests: list[Request], logits: torch.Tensor, steps: int, warmup: int
+    requests: list[Request],
+    logits: torch.Tensor,
+    steps: int,
+    warmup: int,
+    fused: bool | None,
+    rotate: bool,
 ) -> dict[str, float]:
     """Median ms of building the metadata, and of sampling with the results on the host.
-    Every step appends its sampled tokens to the requests, as decoding does."""
+    Every step appends its sampled tokens to the requests, as decoding does; rotate: the
+    batch's order shifts by one every step."""
     device = logits.device
     sampler = Sampler()
-    history = TokenHistory()
+    state = SamplingState(device, vocab_size=logits.shape[1], fused=fused)
     work = torch.empty_like(logits)
-    generators = {
-        i: torch.Generator(device=device).manual_seed(i)
-        for i, r in enumerate(requests)
-        if r.sampling_params.seed is not None
-    }
     build_ms, sample_ms = [], []
     for step in range(warmup + steps):
+        shift = step % len(requests) if rotate else 0
+        batch = requests[shift:] + requests[:shift]
         work.copy_(logits)
         sync(device)
         start = time.perf_counter()
-        meta = SamplingMetadata.build(requests, generators, device, history)
+        meta = state.metadata(batch)
         sync(device)
         built = time.perf_counter()
-        token_ids, _ = sampler(work, meta).to_host(meta)
+        sampled = sampler(work, meta)
+        state.record_sampled(meta, sampled.sampled_token_ids)
+        token_ids, _ = sampled.to_host(meta)
         done = time.perf_counter()
-        for request, token_id in zip(requests, token_ids):
+        for request, token_id in zip(batch, token_ids):
             request.append_output_token(token_id)
         if step >= warmup:
             build_ms.append((built - start) * 1e3)
@@ -245,9 +257,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--decode-step", action="store_true")
     parser.add_argument("--decode-steps", type=int, default=40, help="decode steps to time")
+    parser.add_argument("--torch-sampler", action="store_true", help="no fused path on CUDA")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    fused = False if args.torch_sampler else None
     steps = args.steps or (30 if device.type == "cuda" else 5)
     torch.manual_seed(0)
     lm_like = make_logits(args.batch, args.vocab, False, device)
@@ -256,7 +270,8 @@ def main() -> None:
     for name, params in scenarios(args.vocab).items():
         logits = flat if name.endswith("flat_logits") else lm_like
         requests = make_requests(params, args.batch, args.vocab, args.prompt_len, args.output_len)
-        results[name] = time_sampler(requests, logits, steps, warmup=2)
+        rotate = name.endswith("_batch_changes")
+        results[name] = time_sampler(requests, logits, steps, 2, fused, rotate)
         print(
             f"{name:>22}: {json.dumps({k: round(v, 3) for k, v in results[name].items()})}",
             flush=True,
@@ -276,6 +291,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "steps": steps,
+        "sampler_path": "fused" if SamplingState(device, 1, fused).fused else "torch",
         "logits": "Zipf-shaped, p ~ rank^-1.2 (flat N(0, 1) where the scenario says flat_logits)",
         "sampler": results,
     }

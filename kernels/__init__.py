@@ -11,6 +11,7 @@ from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.qkv_prep import norm_rope_and_cache
 from kernels.rotary import rotary_embedding
+from kernels.sampling import prepare_logits, row_logprobs, sample_masked
 from kernels.skinny_gemm import skinny_gemm
 
 __all__ = [
@@ -19,9 +20,12 @@ __all__ = [
     "norm_rope_and_cache",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "prepare_logits",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "row_logprobs",
+    "sample_masked",
     "silu_and_mul",
     "skinny_gemm",
 ]

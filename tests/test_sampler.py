@@ -1,5 +1,6 @@
 """The batched sampler on synthetic logits: distributions, processors, seeds and logprobs."""
 
+import itertools
 import math
 
 import pytest
@@ -9,21 +10,25 @@ from asyncllm.request import Request
 from asyncllm.sample import sampler as sampler_module
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, apply_logits_processors, apply_top_k_top_p
+from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
 
 EOS = 2
+VOCAB = 4096  # above every token id of these tests
+_request_ids = itertools.count()
 
 
 def make_request(params: SamplingParams, prompt=(0, 1), output=(), bad_words=()) -> Request:
-    request = Request("r", list(prompt), params, eos_token_ids=frozenset({EOS}))
+    request = Request(str(next(_request_ids)), list(prompt), params, eos_token_ids=frozenset({EOS}))
     request.bad_words_token_ids = [list(w) for w in bad_words]
     for token_id in output:
         request.append_output_token(token_id)
     return request
 
 
-def build(requests, generators=None) -> SamplingMetadata:
-    return SamplingMetadata.build(requests, generators or {}, torch.device("cpu"))
+def build(requests) -> SamplingMetadata:
+    """The metadata of a batch that has not sampled before."""
+    return SamplingState(torch.device("cpu"), VOCAB).metadata(requests)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], mode="raw_logprobs"):
@@ -111,15 +116,18 @@ def test_a_seeded_request_ignores_the_rest_of_the_batch_and_its_order() -> None:
     plain = SamplingParams(temperature=0.8, top_p=0.9)
 
     def run(row: int, batch_size: int) -> list[int]:
-        generator = torch.Generator().manual_seed(seeded.seed)
+        state = SamplingState(torch.device("cpu"), VOCAB)
+        params = [plain] * batch_size
+        params[row] = seeded
+        requests = [make_request(p) for p in params]
+        rest = others[: batch_size - 1]
         picked = []
         for _ in range(20):
-            rest = others[: batch_size - 1]
             logits = torch.cat([rest[:row], mine[None], rest[row:]])
-            params = [plain] * batch_size
-            params[row] = seeded
-            meta = build([make_request(p) for p in params], {row: generator})
-            picked.append(Sampler()(logits, meta).sampled_token_ids[row].item())
+            meta = state.metadata(requests)
+            sampled = Sampler()(logits, meta).sampled_token_ids
+            state.record_sampled(meta, sampled)
+            picked.append(sampled[row].item())
         return picked
 
     alone = run(0, 1)
@@ -258,3 +266,85 @@ def test_top_k_top_p_keep_exactly_the_defined_tokens(monkeypatch, scale) -> None
     for row in range(4):
         params = SamplingParams(top_k=top_k[row], top_p=top_p[row])
         assert torch.equal(kept[row], target_distribution(logits[row], params) > 0)
+
+
+def record_steps(state: SamplingState, requests, steps: list[list[int]]) -> None:
+    """Steps that sampled these ids, recorded on the device only: the host lists stay as they are."""
+    for token_ids in steps:
+        state.record_sampled(state.metadata(requests), torch.tensor(token_ids))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_penalties_follow_the_recorded_ids_not_the_host_lists(fused) -> None:
+    vocab = 12
+    logits = torch.linspace(-2.0, 3.0, vocab).repeat(2, 1)
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, logprobs=5),
+        SamplingParams(temperature=0, presence_penalty=0.7, logprobs=5),
+    ]
+    state = SamplingState(torch.device("cpu"), vocab_size=vocab, fused=fused)
+    requests = [make_request(p, prompt=[4], output=[9]) for p in params]
+    record_steps(state, requests, [[11, 10], [11, 11]])
+    caught_up = [make_request(p, prompt=[4], output=[9, 11, 11]) for p in params]
+    caught_up[1].output_token_ids[1:] = [10, 11]
+    mode = "processed_logprobs"
+    got = Sampler(mode)(logits.clone(), state.metadata(requests))
+    meta = build(caught_up)
+    expected = Sampler(mode)(logits.clone(), meta)
+    assert torch.equal(got.sampled_token_ids, expected.sampled_token_ids)
+    torch.testing.assert_close(got.logprobs.top_logprobs, expected.logprobs.top_logprobs)
+    assert torch.equal(got.logprobs.top_ids, expected.logprobs.top_ids)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_bans_follow_the_recorded_ids_not_the_host_lists(fused) -> None:
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.5, 0.0, 7.0, 0.0, 0.0, 8.0, 0.0]])
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[3])
+    state = SamplingState(torch.device("cpu"), vocab_size=10, fused=fused)
+    request = make_request(params, bad_words=[[7, 8]])
+
+    def next_token() -> int:
+        meta = state.metadata([request])
+        token_id = Sampler()(logits.clone(), meta).sampled_token_ids
+        state.record_sampled(meta, token_id)
+        return token_id.item()
+
+    assert next_token() == 8  # EOS and stop 3 banned; 8 free: the output does not end in 7
+    record_steps(state, [request], [[7]])
+    assert next_token() == 5  # stops still banned, and 8 after 7 is
+    assert next_token() == EOS  # three tokens out
+    assert request.output_token_ids == []
+
+
+def test_a_forgotten_request_starts_again_from_its_host_lists() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    request = make_request(SamplingParams(temperature=0, frequency_penalty=2.0))
+    state = SamplingState(torch.device("cpu"), VOCAB)
+    record_steps(state, [request], [[2], [2]])  # 3.0 - 2 x 2.0 puts token 1 first
+    assert Sampler()(logits.clone(), state.metadata([request])).sampled_token_ids.item() == 1
+    state.forget([request.request_id])  # e.g. preempted: its in-flight token is dropped
+    assert Sampler()(logits.clone(), state.metadata([request])).sampled_token_ids.item() == 2
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_a_seeded_request_keeps_its_draws_when_the_batch_changes(fused) -> None:
+    vocab = 30
+    torch.manual_seed(8)
+    mine, others = torch.randn(vocab), torch.randn(2, vocab)
+    seeded = SamplingParams(temperature=1.0, seed=5)
+
+    def run(batch_from: int) -> list[int]:
+        state = SamplingState(torch.device("cpu"), vocab_size=vocab, fused=fused)
+        request = make_request(seeded)
+        company = [make_request(SamplingParams()) for _ in range(2)]
+        picked = []
+        for step in range(6):
+            requests = [request] + (company if step >= batch_from else [])
+            meta = state.metadata(requests)
+            logits = torch.cat([mine[None], others[: len(requests) - 1]])
+            sampled = Sampler()(logits, meta).sampled_token_ids
+            state.record_sampled(meta, sampled)
+            picked.append(sampled[0].item())
+        return picked
+
+    assert run(batch_from=3) == run(batch_from=6)

@@ -178,12 +178,11 @@ class Scheduler:
                 break
 
     def _may_run_ahead(self, request: Request) -> bool:
-        """Whether to schedule a request whose last token is still being sampled: not when its
-        sampling needs that token on the host, nor when that token is its last anyway."""
+        """Whether to schedule a request whose last token is still being sampled: not when that
+        token is its last anyway."""
         num_tokens = request.num_tokens + request.num_output_placeholders
         return (
-            not request.needs_host_tokens
-            and request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+            request.num_output_tokens + request.num_output_placeholders < request.max_tokens
             and num_tokens < self.config.max_model_len
         )
 

@@ -3,7 +3,11 @@
 Order, as in vLLM V1: allowed-token mask, banned tokens (bad words, min_tokens), logit bias,
 penalties; greedy rows take the argmax there. Sampled rows go on: temperature, min-p, top-k,
 top-p, then the exponential race, argmax(p / E) with E ~ Exp(1), which draws from p. A seeded
-request draws its E from its own generator, so its tokens do not depend on the rest of the batch.
+request draws its E from a generator seeded by its seed and the number of tokens it has sampled,
+so its tokens depend on nothing else in the batch.
+
+Metadata built for the fused sampler (SamplingState on CUDA) runs through the Triton kernels
+of asyncllm/sample/fused.py instead; the torch ops here are the CPU path and the reference.
 
 logprobs_mode follows vLLM: "raw_logprobs" (the default) reports log_softmax of the model's
 logits before any processing; "processed_logprobs" reports the distribution actually sampled
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.sample.edits import apply_token_edits
+from asyncllm.sample.fused import sample_fused
 from asyncllm.sample.logprobs import LogprobsTensors, TokenLogprobs
 from asyncllm.sample.metadata import Penalties, SamplingMetadata
 
@@ -49,17 +55,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] float32, modified in place -> sampled ids and requested logprobs."""
         logits = logits.contiguous()  # the sparse updates address it as one flat vector
+        if meta.fused:
+            return SamplerOutput(*sample_fused(logits, meta, self.logprobs_mode))
         source = None  # the distribution logprobs are reported from
-        if meta.max_num_logprobs is not None and self.logprobs_mode == "raw_logprobs":
+        processed = meta.max_num_logprobs is not None and self.logprobs_mode != "raw_logprobs"
+        if meta.max_num_logprobs is not None and not processed:
             source = torch.log_softmax(logits, dim=-1)
         logits = apply_logits_processors(logits, meta)
         sampled = logits.argmax(dim=-1)
-        if not meta.all_greedy:
+        if not meta.all_greedy or processed:
             logits = apply_temperature_and_masks(logits, meta)
-        if meta.max_num_logprobs is not None and source is None:
+        if processed:
             source = torch.log_softmax(logits, dim=-1)
         if not meta.all_greedy:
-            random = sample_exponential_race(logits, meta.generators)
+            generators = meta.random.generators(logits.device)
+            random = sample_exponential_race(logits, generators)
             sampled = torch.where(meta.greedy, sampled, random)
         logprobs = None
         if source is not None:
@@ -68,20 +78,8 @@ class Sampler:
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The processors that can change the argmax, so greedy rows see them too. Sparse updates
-    go through flat (row * V + token) keys and index_select / index_add_, which on CPU run
-    far faster than advanced indexing."""
-    vocab = logits.shape[-1]
-    flat = logits.view(-1)
-    if meta.allowed is not None:
-        restricted = torch.zeros_like(logits, dtype=torch.bool)
-        restricted.index_fill_(0, meta.allowed_rows, True)
-        restricted.view(-1).index_fill_(0, meta.allowed.keys(vocab), False)
-        logits.masked_fill_(restricted, float("-inf"))
-    if meta.banned is not None:
-        flat.index_fill_(0, meta.banned.keys(vocab), float("-inf"))
-    if meta.logit_bias is not None:
-        flat.index_add_(0, meta.logit_bias.keys(vocab), meta.logit_bias.values)
+    """The processors that can change the argmax, so greedy rows see them too."""
+    apply_token_edits(logits, meta)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     return logits
@@ -90,19 +88,30 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     """repetition (HF: over prompt and output, divide positive logits, multiply negative ones),
     then frequency (minus penalty x count) and presence (minus penalty once) over the output.
-    Works on the (row, token) pairs that occur, never on the whole [B, V]."""
-    vocab = logits.shape[-1]
+    Works on the distinct tokens of each penalised row's history, never on the whole [B, V]."""
+    rows, tokens, counts = _listed_tokens(p)
     flat = logits.view(-1)
-    out_keys = p.output_tokens.keys(vocab)
-    present = out_keys.unique()
-    if p.prompt_tokens is not None:
-        seen = torch.cat([out_keys, p.prompt_tokens.keys(vocab)]).unique()
-        values = flat.index_select(0, seen)
-        factor = p.repetition.index_select(0, seen // vocab)
-        flat.index_copy_(0, seen, torch.where(values > 0, values / factor, values * factor))
-    flat.index_add_(0, out_keys, p.frequency.index_select(0, p.output_tokens.rows).neg_())
-    flat.index_add_(0, present, p.presence.index_select(0, present // vocab).neg_())
+    keys = rows * logits.shape[-1] + tokens
+    values = flat.index_select(0, keys)
+    # every listed token is in the prompt or the output: the repetition applies
+    repetition = p.repetition.index_select(0, rows)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values -= p.frequency.index_select(0, rows) * counts
+    values -= p.presence.index_select(0, rows) * (counts > 0)
+    flat.index_copy_(0, keys, values)
     return logits
+
+
+def _listed_tokens(p: Penalties) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token, output count) of every listed token of the penalised rows."""
+    slots = p.slot.index_select(0, p.rows).long()
+    lengths = p.lengths[slots, 0]
+    listed = p.tokens[slots, : int(lengths.max())].long()
+    valid = torch.arange(listed.shape[1], device=listed.device) < lengths[:, None]
+    rows = p.rows[:, None].expand_as(listed)[valid]
+    tokens = listed[valid]
+    table_keys = slots[:, None].expand_as(listed)[valid] * p.counts.shape[1] + tokens
+    return rows, tokens, p.counts.view(-1).index_select(0, table_keys)
 
 
 def apply_temperature_and_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

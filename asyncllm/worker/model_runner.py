@@ -30,8 +30,9 @@ from asyncllm.sample.logprobs import (
     compute_prompt_logprobs,
     prompt_span,
 )
-from asyncllm.sample.metadata import SamplingMetadata, TokenHistory
+from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
+from asyncllm.sample.state import SamplingState
 from asyncllm.worker.cuda_graph import CudaGraphRunner, batch_size_ladder
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 
@@ -109,8 +110,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
-        self.generators: dict[str, torch.Generator] = {}
-        self.token_history = TokenHistory()
+        self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
         scheduler = config.scheduler
         self.input_batch = InputBatch(
             max_num_reqs=scheduler.max_num_seqs,
@@ -168,6 +168,8 @@ class ModelRunner:
 
     def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
         self._forget(scheduler_output.finished_req_ids)
+        # a preempted request's token in flight is dropped: its history restarts from the host
+        self.sampling_state.forget(scheduler_output.preempted_req_ids)
         decode_size = self._decode_batch_size(scheduler_output)
         inputs = self.input_batch.prepare(scheduler_output, decode_size, self._last_sampled)
         prompt_spans = self._prompt_spans(scheduler_output)
@@ -181,6 +183,7 @@ class ModelRunner:
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             sampled = self.sampler(logits, meta)
+            self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
             ids = [
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
@@ -260,24 +263,11 @@ class ModelRunner:
     def _sampling_metadata(
         self, scheduler_output: SchedulerOutput, rows: list[int]
     ) -> SamplingMetadata:
-        requests = [scheduler_output.scheduled[row].request for row in rows]
-        generators = {}
-        for i, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is not None and not request.sampling_params.greedy:
-                generators[i] = self._generator(request.request_id, seed)
-        return SamplingMetadata.build(requests, generators, self.device, self.token_history)
-
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        if request_id not in self.generators:
-            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return self.generators[request_id]
+        return self.sampling_state.metadata([scheduler_output.scheduled[r].request for r in rows])
 
     def _forget(self, request_ids: set[str]) -> None:
         self.input_batch.remove_requests(request_ids)
-        self.token_history.forget(request_ids)
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+        self.sampling_state.forget(request_ids)
 
     def _bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.layer_geometry
