@@ -1,4 +1,5 @@
-"""kernels/sampling.py and the fused sampler, on CPU tensors under the Triton interpreter,
+"""kernels/sampling.py and the fused sampler (on CPU tensors under the Triton interpreter, on the
+GPU when there is one),
 against the torch sampler and against plain definitions."""
 
 import itertools
@@ -18,9 +19,17 @@ from kernels import sampling
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
 
 SIZES = [(1, 5), (3, 1000), (7, 4099)]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # small blocks and tiles, so that every size above spans several
 BLOCKS = dict(block=256, tile=64)
 _request_ids = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def on_the_device():
+    """Tensors made without a device go to the GPU when there is one: the kernels need it."""
+    with DEVICE:
+        yield
 
 
 def make_request(params: SamplingParams, prompt=(0, 1), output=()) -> Request:
@@ -85,7 +94,7 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
 
 def penalties_of(requests, vocab: int):
     """The penalties of a batch of requests, as a fresh SamplingState builds them."""
-    state = SamplingState(torch.device("cpu"), vocab, fused=True)
+    state = SamplingState(DEVICE, vocab, fused=True)
     return state.metadata(requests).penalties
 
 
@@ -229,8 +238,8 @@ def test_row_logprobs_match_log_softmax(rows, vocab, processed) -> None:
 
 def fused_and_torch(requests, vocab):
     return (
-        SamplingState(torch.device("cpu"), vocab, fused=True).metadata(requests),
-        SamplingState(torch.device("cpu"), vocab).metadata(requests),
+        SamplingState(DEVICE, vocab, fused=True).metadata(requests),
+        SamplingState(DEVICE, vocab).metadata(requests),
     )
 
 
@@ -273,7 +282,7 @@ def test_a_seeded_fused_row_ignores_the_rest_of_the_batch_and_its_order() -> Non
     plain = SamplingParams(temperature=0.8, top_k=10)
 
     def run(row: int, batch_size: int) -> list[int]:
-        state = SamplingState(torch.device("cpu"), vocab, fused=True)
+        state = SamplingState(DEVICE, vocab, fused=True)
         params = [plain] * batch_size
         params[row] = seeded
         requests = [make_request(p) for p in params]

@@ -92,10 +92,11 @@ def test_skinny_gemm_matches_torch_on_model_shapes_in_bf16(m: int, n: int, k: in
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("rows, skinny", [(1, True), (8, True), (9, False)])
-def test_linear_takes_the_skinny_kernel_up_to_eight_rows(
-    rows: int, skinny: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("extra_rows", [0, 1])
+def test_linear_takes_the_skinny_kernel_up_to_its_row_limit(
+    extra_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    rows, skinny = linear_module.SKINNY_MAX_ROWS + extra_rows, extra_rows == 0
     calls = []
 
     def counted_skinny_gemm(*args: torch.Tensor | None) -> torch.Tensor:

@@ -274,15 +274,24 @@ def record_steps(state: SamplingState, requests, steps: list[list[int]]) -> None
         state.record_sampled(state.metadata(requests), torch.tensor(token_ids))
 
 
+@pytest.fixture
+def device(fused: bool):
+    """The fused sampler's kernels run on the GPU when there is one (else the interpreter);
+    tensors made without a device go there too."""
+    device = torch.device("cuda" if fused and torch.cuda.is_available() else "cpu")
+    with device:
+        yield device
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
-def test_penalties_follow_the_recorded_ids_not_the_host_lists(fused) -> None:
+def test_penalties_follow_the_recorded_ids_not_the_host_lists(fused, device) -> None:
     vocab = 12
     logits = torch.linspace(-2.0, 3.0, vocab).repeat(2, 1)
     params = [
         SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, logprobs=5),
         SamplingParams(temperature=0, presence_penalty=0.7, logprobs=5),
     ]
-    state = SamplingState(torch.device("cpu"), vocab_size=vocab, fused=fused)
+    state = SamplingState(device, vocab_size=vocab, fused=fused)
     requests = [make_request(p, prompt=[4], output=[9]) for p in params]
     record_steps(state, requests, [[11, 10], [11, 11]])
     caught_up = [make_request(p, prompt=[4], output=[9, 11, 11]) for p in params]
@@ -297,10 +306,10 @@ def test_penalties_follow_the_recorded_ids_not_the_host_lists(fused) -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
-def test_bans_follow_the_recorded_ids_not_the_host_lists(fused) -> None:
+def test_bans_follow_the_recorded_ids_not_the_host_lists(fused, device) -> None:
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.5, 0.0, 7.0, 0.0, 0.0, 8.0, 0.0]])
     params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[3])
-    state = SamplingState(torch.device("cpu"), vocab_size=10, fused=fused)
+    state = SamplingState(device, vocab_size=10, fused=fused)
     request = make_request(params, bad_words=[[7, 8]])
 
     def next_token() -> int:
@@ -327,14 +336,14 @@ def test_a_forgotten_request_starts_again_from_its_host_lists() -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
-def test_a_seeded_request_keeps_its_draws_when_the_batch_changes(fused) -> None:
+def test_a_seeded_request_keeps_its_draws_when_the_batch_changes(fused, device) -> None:
     vocab = 30
     torch.manual_seed(8)
     mine, others = torch.randn(vocab), torch.randn(2, vocab)
     seeded = SamplingParams(temperature=1.0, seed=5)
 
     def run(batch_from: int) -> list[int]:
-        state = SamplingState(torch.device("cpu"), vocab_size=vocab, fused=fused)
+        state = SamplingState(device, vocab_size=vocab, fused=fused)
         request = make_request(seeded)
         company = [make_request(SamplingParams()) for _ in range(2)]
         picked = []

@@ -18,7 +18,8 @@ from torch import nn
 
 from kernels import skinny_gemm
 
-SKINNY_MAX_ROWS = 8
+# at 8 rows cuBLAS was as fast or faster on the H200 (bench/results/skinny_gemm_h200.json)
+SKINNY_MAX_ROWS = 1
 # rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
 _ROWS_HINT = 32
 
