@@ -14,7 +14,8 @@ blocks and a merge per row.
 
 A row's random numbers are Philox4x32 draws at (seed, counter << 32 | token id // 4), lane
 token id % 4: a seeded row's counter is the number of tokens its request had sampled, so its
-draws depend on nothing else in the batch.
+draws depend on nothing else in the batch. Divisions are IEEE (tl.div_rn, not the GPU's fast
+approximate one), so values at a cutoff compare as they do in torch.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def _penalize_kernel(
                     tl.store(saved, x, mask=valid)
                 counts = tl.load(counts_ptr + slot * history_stride + token, mask=valid, other=0)
                 # every listed token is in the prompt or the output: the repetition applies
-                x = tl.where(x > 0, x / repetition, x * repetition)
+                x = tl.where(x > 0, tl.div_rn(x, repetition), x * repetition)
                 x -= frequency * counts.to(tl.float32)
                 x -= tl.where(counts > 0, presence, 0.0)
                 tl.store(row_ptr + token, x, mask=valid)
@@ -228,7 +229,7 @@ def _prepare_kernel(
         cols = start + tl.arange(0, BLOCK)
         valid = cols < vocab
         x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=float("-inf"))
-        z = x / temperature
+        z = tl.div_rn(x, temperature)
         tiles = tl.max(tl.reshape(z, (BLOCK // TILE, TILE)), axis=1)
         tile_ids = start // TILE + tl.arange(0, BLOCK // TILE)
         tile_ptrs = tile_max_ptr + row * tile_max_stride + tile_ids
@@ -262,7 +263,7 @@ def _count_and_mass(src_ptr, n, scale, threshold, peak, BLOCK: tl.constexpr):
     mass = 0.0
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        values = tl.load(src_ptr + cols, mask=cols < n, other=float("-inf")) / scale
+        values = tl.div_rn(tl.load(src_ptr + cols, mask=cols < n, other=float("-inf")), scale)
         kept = (cols < n) & (values >= threshold)
         count += tl.sum(kept.to(tl.int32), 0)
         mass += tl.sum(tl.where(kept, tl.exp(values - peak), 0.0), 0)
@@ -293,7 +294,7 @@ def _race(src_ptr, ids_ptr, has_ids, n, scale, cutoff, seed, counter, first, BLO
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < n
-        values = tl.load(src_ptr + cols, mask=valid, other=float("-inf")) / scale
+        values = tl.div_rn(tl.load(src_ptr + cols, mask=valid, other=float("-inf")), scale)
         from_ids = (cols * 0 + has_ids) != 0  # a vector: the interpreter mis-broadcasts masks
         ids = tl.where(from_ids, tl.load(ids_ptr + cols, mask=valid & from_ids, other=0), cols)
         scores = _race_scores(values, _uniforms(seed, counter, ids))
@@ -448,7 +449,7 @@ def _sample_masked_kernel(
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < vocab
-            z = tl.load(row_ptr + cols, mask=valid, other=float("-inf")) / temperature
+            z = tl.div_rn(tl.load(row_ptr + cols, mask=valid, other=float("-inf")), temperature)
             keep = valid & (z >= low)
             slots = n + tl.cumsum(keep.to(tl.int32), 0) - 1
             tl.store(candidates + slots, z, mask=keep & (slots < CAPACITY))
@@ -500,7 +501,7 @@ def _logprob_source(src_ptr, cols, mask, row, temperature_ptr, cutoff_ptr, PROCE
     """src at cols; PROCESSED: divided by the row's temperature, -inf below its cutoff."""
     values = tl.load(src_ptr + cols, mask=mask, other=float("-inf"))
     if PROCESSED:
-        values = values / tl.load(temperature_ptr + row)
+        values = tl.div_rn(values, tl.load(temperature_ptr + row))
         values = tl.where(values >= tl.load(cutoff_ptr + row), values, float("-inf"))
     return values
 

@@ -298,11 +298,11 @@ def test_penalties_follow_the_recorded_ids_not_the_host_lists(fused, device) -> 
     caught_up[1].output_token_ids[1:] = [10, 11]
     mode = "processed_logprobs"
     got = Sampler(mode)(logits.clone(), state.metadata(requests))
-    meta = build(caught_up)
-    expected = Sampler(mode)(logits.clone(), meta)
-    assert torch.equal(got.sampled_token_ids, expected.sampled_token_ids)
-    torch.testing.assert_close(got.logprobs.top_logprobs, expected.logprobs.top_logprobs)
-    assert torch.equal(got.logprobs.top_ids, expected.logprobs.top_ids)
+    meta = build(caught_up)  # the torch sampler on CPU, from the caught-up host lists
+    expected = Sampler(mode)(logits.cpu(), meta)
+    assert torch.equal(got.sampled_token_ids.cpu(), expected.sampled_token_ids)
+    torch.testing.assert_close(got.logprobs.top_logprobs.cpu(), expected.logprobs.top_logprobs)
+    assert torch.equal(got.logprobs.top_ids.cpu(), expected.logprobs.top_ids)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
