@@ -265,6 +265,13 @@ def test_prefill_writes_every_row_of_a_long_prompt() -> None:
     assert relative_error(out, reference_attention(query, kv_cache, meta, 0.125)) < 1e-5
 
 
+def write_and_attend(backend, query, key, value, kv_cache, meta, scale) -> torch.Tensor:
+    """What a layer does after its own q/k preparation: the KV write, then attention."""
+    write = reshape_and_cache if isinstance(backend, TritonAttentionBackend) else write_kv_cache
+    write(key, value, kv_cache, meta.slot_mapping)
+    return backend.attend(query, kv_cache, meta, scale)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_matches_torch_backend_on_mixed_batch(dtype: torch.dtype) -> None:
     query_lens, seq_lens = [1, 24, 1, 6], [33, 24, 2, 70]
@@ -272,9 +279,9 @@ def test_backend_matches_torch_backend_on_mixed_batch(dtype: torch.dtype) -> Non
         query_lens, seq_lens, 8, 2, 64, dtype, padding_tokens=2
     )
     ref_cache = kv_cache.float().clone()
-    out = TritonAttentionBackend().forward(query, key, value, kv_cache, meta, 0.125)
-    ref = TorchAttentionBackend().forward(
-        query.float(), key.float(), value.float(), ref_cache, meta, 0.125
+    out = write_and_attend(TritonAttentionBackend(), query, key, value, kv_cache, meta, 0.125)
+    ref = write_and_attend(
+        TorchAttentionBackend(), query.float(), key.float(), value.float(), ref_cache, meta, 0.125
     )
     assert torch.equal(kv_cache.float(), ref_cache)
     n = sum(query_lens)
@@ -286,9 +293,9 @@ def test_backend_decode_matches_torch_backend(dtype: torch.dtype) -> None:
     seq_lens = [1, 16, 17, 64, 100]
     query, key, value, kv_cache, meta = make_batch([1] * 5, seq_lens, 8, 4, 64, dtype)
     ref_cache = kv_cache.float().clone()
-    out = TritonAttentionBackend().forward(query, key, value, kv_cache, meta, 0.125)
-    ref = TorchAttentionBackend().forward(
-        query.float(), key.float(), value.float(), ref_cache, meta, 0.125
+    out = write_and_attend(TritonAttentionBackend(), query, key, value, kv_cache, meta, 0.125)
+    ref = write_and_attend(
+        TorchAttentionBackend(), query.float(), key.float(), value.float(), ref_cache, meta, 0.125
     )
     assert torch.equal(kv_cache.float(), ref_cache)
     assert relative_error(out, ref) < TOLERANCE[dtype]
@@ -317,11 +324,11 @@ def test_backend_decode_replays_in_a_cuda_graph_as_sequences_grow() -> None:
         short,
     )
     backend = TritonAttentionBackend()
-    backend.forward(query, key, value, kv_cache, static, 0.088)
+    write_and_attend(backend, query, key, value, kv_cache, static, 0.088)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(query, key, value, kv_cache, static, 0.088)
+        out = write_and_attend(backend, query, key, value, kv_cache, static, 0.088)
     static.seq_lens.copy_(meta.seq_lens)
     static.slot_mapping.copy_(meta.slot_mapping)
     for t in (query, key, value):

@@ -93,18 +93,6 @@ class TorchAttentionBackend:
             return self._decode(query, kv_cache, meta, scale)
         return self._varlen(query, kv_cache, meta, scale)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        return self.attend(query, kv_cache, meta, scale)
-
     def _varlen(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:

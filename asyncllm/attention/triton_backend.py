@@ -7,12 +7,7 @@ import torch
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.models.layers.norm import RMSNorm
 from asyncllm.models.layers.rotary import RotaryEmbedding
-from kernels import (
-    norm_rope_and_cache,
-    paged_decode_attention,
-    paged_prefill_attention,
-    reshape_and_cache,
-)
+from kernels import norm_rope_and_cache, paged_decode_attention, paged_prefill_attention
 
 
 class TritonAttentionBackend:
@@ -55,15 +50,3 @@ class TritonAttentionBackend:
             scale,
             meta.max_query_len,
         )
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
-        return self.attend(query, kv_cache, meta, scale)
