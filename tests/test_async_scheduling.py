@@ -121,3 +121,38 @@ def test_input_batch_takes_a_token_still_on_the_device() -> None:
     assert inputs.input_ids.tolist() == [10, 11, 12, 42]
     with pytest.raises(RuntimeError, match="neither on the host"):
         batch.prepare(step, previous=DeviceTokens(torch.tensor([41]), {"x": 0}))
+
+
+def test_a_failed_step_spares_the_requests_new_in_the_step_behind_it(tiny_model_dir) -> None:
+    llm = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
+    core, runner = llm.engine.core, llm.engine.core.model_runner
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def add(request_id: str, prompt: str) -> None:
+        request, _ = llm.engine.input_processor.process(request_id, prompt, params)
+        for engine_request in llm.engine.output_processor.add_request(request, None):
+            core.add_request(engine_request)
+
+    real_sampler, calls = runner.sampler, []
+
+    def sampler_failing_at_step_4(logits, meta):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected: the sampler fell over")
+        return real_sampler(logits, meta)
+
+    runner.sampler = sampler_failing_at_step_4
+    add("a", "one two three")
+    for _ in range(4):  # steps 1-4 launched, 1-3 taken in
+        assert all(o.finish_reason is None for o in core.step())
+    add("b", "four five six")
+    outputs = core.step()  # launches a step with "a" (scheduled ahead) and "b"; the failure
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error")]
+    b_tokens, finish = [], None
+    while core.has_work():
+        for o in core.step():
+            assert o.request_id == "b"
+            b_tokens += o.new_token_ids
+            finish = o.finish_reason or finish
+    assert (len(b_tokens), finish) == (8, "length")
+    assert core.kv_cache_manager.usage == 0

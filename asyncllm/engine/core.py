@@ -155,8 +155,8 @@ class EngineCore:
         steps = zip(scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs)
         for s, token_id, token_logprobs in steps:
             request = s.request
-            if request.status is RequestStatus.PREEMPTED:
-                continue  # preempted while the step ran: its token is sampled again later
+            if request.status is not RequestStatus.RUNNING and request.request_id not in finished:
+                continue  # preempted, aborted or failed while the step ran: its token is dropped
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if token_id is None and prompt_logprobs is None and request.request_id not in finished:
                 continue

@@ -32,10 +32,12 @@ class StepInputs:
 @dataclass
 class DeviceTokens:
     """The ids a launched step sampled, still on the device: inputs of the next step for the
-    requests it was scheduled ahead for."""
+    requests it was scheduled ahead for. When that step failed (lost), its requests are being
+    failed too: their rows compute on a placeholder token and their outputs are discarded."""
 
     token_ids: torch.Tensor  # int64 [R]
     rows: dict[str, int]  # request id -> index in token_ids
+    lost: bool = False
 
 
 class _Buffer:
@@ -170,6 +172,9 @@ class InputBatch:
             ids[start : start + len(s.token_ids)] = s.token_ids
             if len(s.token_ids) < s.num_new_tokens:
                 source = None if previous is None else previous.rows.get(s.request.request_id)
+                if source is None and previous is not None and previous.lost:
+                    ids[end - 1] = 0
+                    continue
                 if source is None:
                     raise RuntimeError(
                         f"the input token of request {s.request.request_id!r} is neither on "

@@ -123,6 +123,7 @@ class ModelRunner:
         self.decode_sizes = self._decode_sizes()
         self.cuda_graphs = self._capture_cuda_graphs()
         self._last_sampled: DeviceTokens | None = None
+        self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "model-runner-launch")
         self._collector = concurrent.futures.ThreadPoolExecutor(1, "model-runner-collect")
 
@@ -163,7 +164,9 @@ class ModelRunner:
             try:
                 return self._launch(scheduler_output)
             except BaseException:
-                self._last_sampled = None  # what the failed step would have sampled is unknown
+                # what it would have sampled is lost: the engine fails its requests, and the
+                # step launched behind it runs on for the others
+                self._last_sampled = DeviceTokens(self._no_tokens, {}, lost=True)
                 raise
 
     def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
