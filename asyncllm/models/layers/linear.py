@@ -43,8 +43,21 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # oneDNN keeps memory for every row count it has seen (RSS grew without bound under
+        # random request lengths): pad the rows up to one of a few dozen sizes, at most 1/8 more
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
         # dense in, dense out: no to_mkldnn / to_dense conversions around the GEMM
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return out[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """rows rounded up to a multiple of 2^(bit_length - 4): 8 sizes per power of two."""
+    step = 1 << max(0, rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def pack_linear_layers(model: nn.Module) -> None:
