@@ -184,6 +184,7 @@ def time_decode_steps(
 ) -> dict[str, float]:
     """Median ms of an engine step once every request decodes, and of the sampler inside it."""
     from asyncllm import LLM
+    from asyncllm.engine.build import add_request
 
     max_model_len = prompt_len + 4 * steps
     llm = LLM(
@@ -219,8 +220,7 @@ def time_decode_steps(
         p = SamplingParams(**{**p.__dict__, **overrides, "ignore_eos": True, "bad_words": None})
         prompt = [rng.randrange(100, 150000) for _ in range(prompt_len)]
         request, _ = llm.engine.input_processor.process(str(i), {"prompt_token_ids": prompt}, p)
-        for engine_request in llm.engine.output_processor.add_request(request, None):
-            core.add_request(engine_request)
+        add_request(llm.engine, request, None)
     step_ms, sampler_in_step_ms = [], []
     while core.has_unfinished_requests() and len(step_ms) < steps:
         decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in core.scheduler.running)

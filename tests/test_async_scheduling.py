@@ -9,6 +9,7 @@ from test_scheduler import fake_run, make_request, make_scheduler
 
 from asyncllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from asyncllm.engine.build import add_request
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch
 
 PROMPTS = ["Tell me a story", "The weather today", "One two three", "A B C D E F G"]
@@ -130,8 +131,7 @@ def test_a_failed_step_spares_the_requests_new_in_the_step_behind_it(tiny_model_
 
     def add(request_id: str, prompt: str) -> None:
         request, _ = llm.engine.input_processor.process(request_id, prompt, params)
-        for engine_request in llm.engine.output_processor.add_request(request, None):
-            core.add_request(engine_request)
+        add_request(llm.engine, request, None)
 
     real_sampler, calls = runner.sampler, []
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import EngineParts, build_engine, process_outputs
+from asyncllm.engine.build import EngineParts, add_request, build_engine, process_outputs
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.output_processor import RequestOutputCollector
 from asyncllm.outputs import RequestOutput
@@ -61,8 +61,7 @@ class AsyncLLM:
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.collectors[request_id] = collector
-        for engine_request in self.engine.output_processor.add_request(request, text, collector):
-            self.engine.core.add_request(engine_request)
+        add_request(self.engine, request, text, collector)
         self._ensure_engine_task()
         self._wake.set()
         finished = False

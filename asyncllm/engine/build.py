@@ -9,9 +9,9 @@ from transformers import PreTrainedTokenizerBase
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core import EngineCore, EngineCoreOutput
 from asyncllm.engine.input_processor import InputProcessor, load_tokenizer
-from asyncllm.engine.output_processor import OutputProcessor
+from asyncllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from asyncllm.outputs import RequestOutput
-from asyncllm.request import RequestStatus
+from asyncllm.request import Request, RequestStatus
 
 
 @dataclass
@@ -33,6 +33,18 @@ def build_engine(args: EngineArgs) -> EngineParts:
         input_processor=InputProcessor(config.model, tokenizer),
         output_processor=OutputProcessor(tokenizer),
     )
+
+
+def add_request(
+    engine: EngineParts,
+    request: Request,
+    prompt: str | None,
+    collector: RequestOutputCollector | None = None,
+) -> None:
+    """Registers a processed request for output processing and hands it (or its parallel
+    samples) to the engine core."""
+    for engine_request in engine.output_processor.add_request(request, prompt, collector):
+        engine.core.add_request(engine_request)
 
 
 def process_outputs(engine: EngineParts, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:

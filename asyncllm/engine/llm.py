@@ -11,7 +11,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import build_engine, process_outputs
+from asyncllm.engine.build import add_request, build_engine, process_outputs
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -71,8 +71,7 @@ class LLM:
             for prompt, p, prio in zip(prompts, params, priorities)
         ]
         for request, text in requests:
-            for engine_request in self.engine.output_processor.add_request(request, text):
-                self.engine.core.add_request(engine_request)
+            add_request(self.engine, request, text)
         return self._run_to_completion([r.request_id for r, _ in requests], use_tqdm)
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

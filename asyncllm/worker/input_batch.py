@@ -47,13 +47,15 @@ class _Buffer:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         pin = device.type == "cuda"
-        self._hosts = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
-        self.host, self.np = self._hosts[0], self._hosts[0].numpy()
+        hosts = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self._sides = [(host, host.numpy()) for host in hosts]
+        self._side = 0
+        self.host, self.np = self._sides[0]
         self.device = torch.zeros(shape, dtype=dtype, device=device)
 
     def flip(self) -> None:
-        self.host = self._hosts[1] if self.host is self._hosts[0] else self._hosts[0]
-        self.np = self.host.numpy()
+        self._side = 1 - self._side
+        self.host, self.np = self._sides[self._side]
 
     def copy_rows(self, n: int) -> torch.Tensor:
         self.device[:n].copy_(self.host[:n], non_blocking=True)
