@@ -301,6 +301,20 @@ def test_backend_decode_matches_torch_backend(dtype: torch.dtype) -> None:
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+def test_torch_decode_groups_by_length_match_reference() -> None:
+    """Unsorted lengths over several groups; two layers share the step's groups, and a new
+    step (new metadata) makes new ones."""
+    backend = TorchAttentionBackend()
+    for seq_lens in ([70, 3, 129, 17, 1, 64, 33, 250, 16, 2, 100], [5, 300, 40]):
+        query, _, _, kv_cache, meta = make_batch(
+            [1] * len(seq_lens), seq_lens, 6, 2, 32, torch.float32
+        )
+        for layer_cache in (kv_cache, torch.randn_like(kv_cache)):
+            out = backend.attend(query, layer_cache, meta, 0.2)
+            ref = reference_attention(query, layer_cache, meta, 0.2)
+            assert relative_error(out, ref) < 1e-6
+
+
 @NEEDS_CUDA
 def test_backend_decode_replays_in_a_cuda_graph_as_sequences_grow() -> None:
     grown = [25, 320, 37, 1020]

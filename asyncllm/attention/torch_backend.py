@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -65,7 +67,43 @@ def _causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Te
     return torch.arange(seq_len, device=device)[None, :] <= rows
 
 
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # int64 [n]: the requests' rows in the batch
+    block_tables: torch.Tensor  # [n, blocks of the longest]
+    mask: torch.Tensor  # bool [n, 1, 1, blocks * block_size]: positions within each length
+
+
+DECODE_GROUP_SIZE = 4
+
+
+def decode_groups(meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
+    """Requests sorted by length in groups of DECODE_GROUP_SIZE, each padded only to its own
+    longest: a batch padded to its longest context gathered and attended up to twice the
+    positions it needed (2.5x slower at 32 requests of 32-512 tokens)."""
+    order = sorted(range(meta.num_reqs), key=meta.seq_lens_cpu.__getitem__)
+    device = meta.block_tables.device
+    groups = []
+    for start in range(0, len(order), DECODE_GROUP_SIZE):
+        rows = order[start : start + DECODE_GROUP_SIZE]
+        num_blocks = -(-meta.seq_lens_cpu[rows[-1]] // block_size)
+        index = torch.tensor(rows, device=device)
+        lengths = torch.tensor([meta.seq_lens_cpu[r] for r in rows], device=device)
+        positions = torch.arange(num_blocks * block_size, device=device)
+        groups.append(
+            DecodeGroup(
+                rows=index,
+                block_tables=meta.block_tables.index_select(0, index)[:, :num_blocks],
+                mask=(positions[None, :] < lengths[:, None])[:, None, None, :],
+            )
+        )
+    return groups
+
+
 class TorchAttentionBackend:
+    def __init__(self) -> None:
+        self._groups: tuple[AttentionMetadata, list[DecodeGroup]] | None = None
+
     def prepare_qkv(
         self,
         qkv: torch.Tensor,
@@ -110,16 +148,26 @@ class TorchAttentionBackend:
     def _decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        """One query per request: gather every table at once and mask past each length."""
-        block_size = kv_cache.shape[2]
-        max_blocks = -(-meta.max_seq_len // block_size)
-        keys, values = gather_blocks(kv_cache, meta.block_tables[:, :max_blocks])
-        keys = keys.flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-        values = values.flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(keys.shape[2], device=query.device)
-        mask = (positions[None, :] < meta.seq_lens[:, None].to(query.device))[:, None, None, :]
-        # the query heads sharing a KV head become that head's query rows: no K/V repeat
-        num_reqs, num_heads, head_dim = query.shape
-        grouped = query.view(num_reqs, keys.shape[1], -1, head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(num_reqs, num_heads, head_dim)
+        """One query per request: each group of requests of similar lengths gathers its block
+        tables at once and masks past each length."""
+        num_heads, head_dim = query.shape[1:]
+        num_kv_heads = kv_cache.shape[-2]
+        out = torch.empty_like(query)
+        for group in self._groups_of(meta, kv_cache.shape[2]):
+            keys, values = gather_blocks(kv_cache, group.block_tables)
+            keys = keys.flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+            values = values.flatten(1, 2).transpose(1, 2)
+            # the query heads sharing a KV head become that head's query rows: no K/V repeat
+            grouped = query.index_select(0, group.rows)
+            grouped = grouped.view(len(group.rows), num_kv_heads, -1, head_dim)
+            o = F.scaled_dot_product_attention(
+                grouped, keys, values, attn_mask=group.mask, scale=scale
+            )
+            out.index_copy_(0, group.rows, o.reshape(-1, num_heads, head_dim))
+        return out
+
+    def _groups_of(self, meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
+        """The step's decode groups, made once and used by every layer."""
+        if self._groups is None or self._groups[0] is not meta:
+            self._groups = meta, decode_groups(meta, block_size)
+        return self._groups[1]
