@@ -36,6 +36,8 @@ class EngineArgs:
     enforce_eager: bool = False
     # schedule step N+1 while step N runs; None: on when the model runs on a GPU
     async_scheduling: bool | None = None
+    # AsyncLLM runs the engine core in a process of its own; None: on when the model runs on a GPU
+    engine_process: bool | None = None
     seed: int = 0
     max_logprobs: int = 20
 
@@ -123,6 +125,13 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     args: EngineArgs
+
+    @property
+    def engine_process(self) -> bool:
+        """On a GPU the server's event loop would otherwise hold up every step; on CPU the
+        model and the server share the same few cores anyway."""
+        setting = self.args.engine_process
+        return self.model.device.type == "cuda" if setting is None else setting
 
 
 def _load_hf_config(path: Path) -> PretrainedConfig:

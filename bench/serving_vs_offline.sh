@@ -17,7 +17,11 @@ python -m asyncllm.serve --model "$model" --port $port "${engine[@]}" --max-conc
   > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  kill -0 $server 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }
+  sleep 1
+done
 
 python bench/serving.py --base-url "http://127.0.0.1:$port" "${workload[@]}" \
   --request-rate inf --out "$out/serving_saturation.json"

@@ -1,5 +1,6 @@
-"""AsyncLLM: the asyncio front end. One background engine task steps the engine core while
-generate() iterators hand each request's outputs to its consumer."""
+"""AsyncLLM: the asyncio front end. One background engine task takes in the engine core's steps
+(stepping it, or receiving them from its process) while generate() iterators hand each
+request's outputs to its consumer."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import EngineParts, add_request, build_engine, process_outputs
+from asyncllm.engine.build import EngineParts, build_engine, process_outputs
+from asyncllm.engine.core_client import CoreClient, CoreProcessClient, LocalCoreClient
+from asyncllm.engine.core_process import EngineStats
 from asyncllm.engine.input_processor import PromptType
-from asyncllm.engine.output_processor import RequestOutputCollector
+from asyncllm.engine.output_processor import RequestOutputCollector, child_request_id
 from asyncllm.outputs import RequestOutput
 from asyncllm.request import RequestStatus
 from asyncllm.sampling_params import SamplingParams
@@ -26,15 +29,17 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     def __init__(self, engine: EngineParts) -> None:
         self.engine = engine
+        core = engine.core
+        self.client: CoreClient = (
+            core if isinstance(core, CoreProcessClient) else LocalCoreClient(core)
+        )
         self.collectors: dict[str, RequestOutputCollector] = {}
-        self._pending_aborts: set[str] = set()
-        self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> AsyncLLM:
-        return cls(build_engine(args or EngineArgs(**kwargs)))
+        return cls(build_engine(args or EngineArgs(**kwargs), core_process_allowed=True))
 
     @property
     def tokenizer(self):
@@ -61,9 +66,9 @@ class AsyncLLM:
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.collectors[request_id] = collector
-        add_request(self.engine, request, text, collector)
+        for engine_request in self.engine.output_processor.add_request(request, text, collector):
+            self.client.add_request(engine_request)
         self._ensure_engine_task()
-        self._wake.set()
         finished = False
         try:
             while not finished:
@@ -79,18 +84,28 @@ class AsyncLLM:
         """Stop a request (all its parallel samples); its blocks are freed before the next step."""
         engine_ids = self.engine.output_processor.abort([request_id])
         self.collectors.pop(request_id, None)
-        self._pending_aborts.update(engine_ids)
-        self._wake.set()
+        self.client.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
 
     def check_health(self) -> None:
         self._check_alive()
+
+    def stats(self) -> EngineStats:
+        return self.client.stats()
+
+    def is_queued(self, request_id: str) -> bool:
+        """Whether the engine holds this request (or its first sample) and has not scheduled it
+        yet."""
+        states = self.engine.output_processor.states
+        state = states.get(request_id) or states.get(child_request_id(0, request_id))
+        request = state.request if state is not None else None
+        return request is not None and request.first_scheduled_time is None
 
     async def shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        self.engine.core.shutdown()
+        self.client.shutdown()
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -101,16 +116,12 @@ class AsyncLLM:
             self._task = asyncio.get_running_loop().create_task(self._run_engine())
 
     async def _run_engine(self) -> None:
-        core = self.engine.core
         try:
             while True:
-                self._apply_aborts()
-                if not core.has_work():
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
                 # with async scheduling, detokenizes step N while step N+1 computes
-                process_outputs(self.engine, await core.step_async())
+                step = await self.client.get_step()
+                self._note_first_scheduled(step.first_scheduled)
+                process_outputs(self.engine, step.outputs)
                 await asyncio.sleep(0)  # let consumers run between steps
         except asyncio.CancelledError:
             raise
@@ -118,10 +129,13 @@ class AsyncLLM:
             logger.exception("engine loop died")
             self._fail_all(e)
 
-    def _apply_aborts(self) -> None:
-        if self._pending_aborts:
-            ids, self._pending_aborts = list(self._pending_aborts), set()
-            self.engine.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+    def _note_first_scheduled(self, times: dict[str, float]) -> None:
+        """The core process reports when it first scheduled each request (queue-time metrics,
+        --max-queue-wait); in one process the scheduler sets it on the shared request."""
+        for request_id, when in times.items():
+            state = self.engine.output_processor.states.get(request_id)
+            if state is not None and state.request is not None:
+                state.request.first_scheduled_time = when
 
     def _fail_all(self, error: BaseException) -> None:
         self.dead_error = error

@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core import EngineCore, EngineCoreOutput
+from asyncllm.engine.core_client import CoreProcessClient
 from asyncllm.engine.input_processor import InputProcessor, load_tokenizer
 from asyncllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from asyncllm.outputs import RequestOutput
@@ -17,18 +18,21 @@ from asyncllm.request import Request, RequestStatus
 @dataclass
 class EngineParts:
     config: EngineConfig
-    core: EngineCore
+    core: EngineCore | CoreProcessClient
     tokenizer: PreTrainedTokenizerBase | None
     input_processor: InputProcessor
     output_processor: OutputProcessor
 
 
-def build_engine(args: EngineArgs) -> EngineParts:
+def build_engine(args: EngineArgs, core_process_allowed: bool = False) -> EngineParts:
+    """core_process_allowed: the caller steps the core asynchronously, so the core may run in a
+    process of its own (config.engine_process)."""
     config = args.create_engine_config()
     tokenizer = load_tokenizer(config.model.path)
+    own_process = core_process_allowed and config.engine_process
     return EngineParts(
         config=config,
-        core=EngineCore(config),
+        core=CoreProcessClient(args) if own_process else EngineCore(config),
         tokenizer=tokenizer,
         input_processor=InputProcessor(config.model, tokenizer),
         output_processor=OutputProcessor(tokenizer),

@@ -47,6 +47,10 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def output_text(self) -> str:
         text = "".join(self._parts)
         self._parts = [text] if text else []

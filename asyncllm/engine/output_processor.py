@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -138,7 +139,7 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         processed = ProcessedOutputs([], [])
-        for out in outputs:
+        for out in self._token_by_token_where_stop_strings(outputs):
             state = self.states.get(out.request_id)
             if state is None:  # aborted while its step ran
                 continue
@@ -159,6 +160,20 @@ class OutputProcessor:
             else:
                 processed.request_outputs.append(request_output)
         return processed
+
+    def _token_by_token_where_stop_strings(
+        self, outputs: list[EngineCoreOutput]
+    ) -> Iterator[EngineCoreOutput]:
+        """An output may carry several tokens (steps joined while the event loop was busy);
+        a request with stop strings takes them one at a time, so that a stop string ends it at
+        the token that completes it (the tokens after it find the request gone)."""
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            detokenizer = state.detokenizer if state is not None else None
+            if len(out.new_token_ids) > 1 and detokenizer and detokenizer.has_stop_strings:
+                yield from split_by_token(out)
+            else:
+                yield out
 
     def _new_state(
         self, request: Request, prompt: str | None, collector: RequestOutputCollector | None
@@ -394,6 +409,21 @@ class ParentRequest:
                 completion.logprobs = None
                 completion.cumulative_logprob = None
         return best
+
+
+def split_by_token(out: EngineCoreOutput) -> Iterator[EngineCoreOutput]:
+    """One output per new token; the finish fields go with the last."""
+    last = len(out.new_token_ids) - 1
+    for i, token_id in enumerate(out.new_token_ids):
+        yield dataclasses.replace(
+            out,
+            new_token_ids=[token_id],
+            new_logprobs=None if out.new_logprobs is None else out.new_logprobs[i : i + 1],
+            new_prompt_logprobs=out.new_prompt_logprobs if i == 0 else None,
+            finish_reason=out.finish_reason if i == last else None,
+            stop_reason=out.stop_reason if i == last else None,
+            error=out.error if i == last else None,
+        )
 
 
 def child_request_id(index: int, parent_id: str) -> str:

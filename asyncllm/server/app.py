@@ -21,7 +21,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.models.model_path import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-from asyncllm.request import RequestStatus
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.openai_routes import REQUEST_ID, RESPONSE_ID, OpenAIRoutes
 from asyncllm.server.openapi import openapi_spec
@@ -146,10 +145,7 @@ class ServerState:
             raise overloaded(f"the queue is full ({limit} requests waiting); retry later.")
 
     def is_queued(self, engine_id: str) -> bool:
-        """Whether the engine holds this request (or its first sample) and never scheduled it."""
-        scheduler = self.engine.engine.core.scheduler
-        request = scheduler.get_request(engine_id) or scheduler.get_request(f"0_{engine_id}")
-        return request is not None and request.status is RequestStatus.WAITING
+        return self.engine.is_queued(engine_id)
 
     def end_all(self, error: ProtocolError) -> None:
         """Ends every request in flight with this error (their streams get it as an event)."""

@@ -23,31 +23,33 @@ _TOKEN_LATENCY_BUCKETS = (
 
 
 class EngineStatsCollector(Collector):
-    """Reads the scheduler and KV cache state at scrape time: no bookkeeping on the hot path."""
+    """Reads the engine's scheduler and KV cache figures at scrape time: no bookkeeping on the
+    hot path."""
 
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
         self.labels = [model_name]
 
     def collect(self) -> Iterator[Metric]:
-        core = self.engine.engine.core
-        scheduler, kv = core.scheduler, core.kv_cache_manager
+        stats = self.engine.stats()
         yield self._gauge(
-            "num_requests_running", "Requests in the running batch.", scheduler.num_running
+            "num_requests_running", "Requests in the running batch.", stats.num_running
         )
         yield self._gauge(
-            "num_requests_waiting", "Requests waiting to be scheduled.", scheduler.num_waiting
+            "num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting
         )
         yield self._gauge(
-            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", kv.usage
+            "kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0..1).",
+            stats.kv_cache_usage,
         )
+        yield self._counter("num_preemptions", "Preemptions since start.", stats.num_preemptions)
         yield self._counter(
-            "num_preemptions", "Preemptions since start.", scheduler.num_preemptions
+            "prefix_cache_queries",
+            "Tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
         )
-        yield self._counter(
-            "prefix_cache_queries", "Tokens looked up in the prefix cache.", kv.prefix_cache_queries
-        )
-        yield self._counter("prefix_cache_hits", "Tokens found in the prefix cache.", kv.prefix_cache_hits)  # fmt: skip
+        yield self._counter("prefix_cache_hits", "Tokens found in the prefix cache.", stats.prefix_cache_hits)  # fmt: skip
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         metric = GaugeMetricFamily(f"asyncllm:{name}", doc, labels=["model_name"])

@@ -1,0 +1,108 @@
+"""What one prompt arriving costs the requests already decoding: the wall time of engine steps
+that mix a prefill into a running decode batch, against pure decode steps (one engine, one run).
+
+At serving's half load a new prompt arrives every few dozen steps and every running stream
+waits for that step, so the mixed step's time is what the p99 inter-token latency shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.engine.build import add_request, process_outputs
+from asyncllm.models.shapes import SHAPES, write_shape
+
+
+def timed_steps(llm: LLM, n: int) -> list[float]:
+    """Wall seconds of n engine steps, outputs processed as the engine loop does."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        process_outputs(llm.engine, llm.engine.core.step())
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def add(llm: LLM, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    request, _ = llm.engine.input_processor.process(
+        request_id, {"prompt_token_ids": prompt}, params, 0, True
+    )
+    add_request(llm.engine, request, None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=28, help="requests decoding")
+    parser.add_argument("--prompt-len", type=int, default=580, help="the arriving prompt")
+    parser.add_argument("--arrivals", type=int, default=20)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
+    llm = LLM(
+        model=str(path),
+        load_format="dummy",
+        max_model_len=4096,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randint(100, vocab - 1) for _ in range(n)]
+
+    for i in range(args.batch):
+        add(llm, f"d{i}", prompt(args.prompt_len), 3000)
+    timed_steps(llm, 40)  # prefill them, warm up the decode graphs
+    decode = timed_steps(llm, 200)
+    mixed = []
+    for i in range(args.arrivals):
+        add(llm, f"a{i}", prompt(args.prompt_len), 3000)
+        # the step that prefills it (and, with async scheduling, the one launched next to it)
+        around = timed_steps(llm, 4)
+        mixed.append(max(around))
+        timed_steps(llm, 10)
+    median_decode = statistics.median(decode)
+    result = {
+        "benchmark": "mixed_step",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor(),
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "shape": args.shape,
+        "decode_batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "async_scheduling": llm.engine.core.async_scheduling,
+        "median_decode_step_ms": median_decode * 1e3,
+        "p99_decode_step_ms": statistics.quantiles(decode, n=100)[98] * 1e3,
+        "median_mixed_step_ms": statistics.median(mixed) * 1e3,
+        "mixed_over_decode": statistics.median(mixed) / median_decode,
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
