@@ -3,6 +3,7 @@
 #   bench/h200_session.sh checks OUT      GPU tests, kernel and sampler benches, batch-1 profile
 #   bench/h200_session.sh throughput OUT  offline Qwen3-0.6B (with the HF peer) and Llama-3.1-8B
 #   bench/h200_session.sh serving OUT     serving against offline (bench/serving_vs_offline.sh)
+#                                         and the cost of a step that takes in a prompt
 # Wheels the GPU image lacks (orjson, gguf) travel in .whl/; serving needs the SmolLM2 tokenizer
 # files in .tok/ (the serving benchmark times text).
 set -uo pipefail
@@ -40,6 +41,8 @@ shutil.copytree(".tok", "/tmp/q3", dirs_exist_ok=True)
 json.dump(config, open("/tmp/q3/config.json", "w"))
 PY
   bench/serving_vs_offline.sh /tmp/q3 "$out" dummy
+  python3 bench/mixed_step.py --out "$out/mixed_step_h200.json" | tail -3
+  python3 bench/mixed_step.py --prompt-len 64 --out "$out/mixed_step_short_h200.json" | tail -3
   ;;
 esac
 grep -h "engine step failed" "$out"/*.txt "$out"/*.log 2>/dev/null | head -3

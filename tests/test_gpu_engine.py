@@ -72,3 +72,37 @@ def test_runner_uses_graphs_for_decode(qwen3_dir) -> None:
     runner.cuda_graphs.replay = lambda size: replays.append(size) or real(size)
     llm.generate(prompts(5), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert replays and set(replays) <= set(runner.cuda_graphs.sizes)
+    assert runner.piecewise_graphs is not None
+
+
+def run_with_logprobs(path, **kwargs):
+    llm = LLM(
+        model=str(path),
+        kv_cache_memory=KV_CACHE_BYTES,
+        max_num_batched_tokens=512,
+        max_num_seqs=16,
+        **kwargs,
+    )
+    runner = llm.engine.core.model_runner
+    sizes = []
+    if runner.piecewise_graphs is not None:
+        real = runner.piecewise_graphs.run
+        runner.piecewise_graphs.run = lambda size, meta: sizes.append(size) or real(size, meta)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
+    ]
+    outputs = llm.generate(prompts(), [params[i % 2] for i in range(12)], use_tqdm=False)
+    llm.engine.core.shutdown()
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs
+    ], sizes
+
+
+def test_piecewise_graphs_match_eager_bit_for_bit(qwen3_dir) -> None:
+    """Steps with prompt tokens (chunked prefill next to decodes, prompt logprobs) replay the
+    piecewise graphs, padded to the ladder; eager runs pad the same way: equal bits."""
+    eager, eager_sizes = run_with_logprobs(qwen3_dir, enforce_eager=True)
+    graphs, sizes = run_with_logprobs(qwen3_dir)
+    assert not eager_sizes and sizes and max(sizes) <= 512
+    assert graphs == eager

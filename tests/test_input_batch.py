@@ -104,3 +104,25 @@ def test_padding_rows_write_nowhere() -> None:
     assert inputs.meta.slot_mapping.tolist() == [2 * BLOCK + 3, -1, -1, -1]
     assert inputs.meta.seq_lens.tolist() == [4, 1, 1, 1]
     assert inputs.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_padding_tokens_belong_to_no_request_and_write_nowhere() -> None:
+    batch = InputBatch(
+        max_num_reqs=8,
+        max_num_tokens=16,
+        max_model_len=16,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    a, b = request("a", 5), request("b", 3)
+    b.append_output_token(7)
+    out = SchedulerOutput([scheduled(a, 0, 5, [1, 2]), scheduled(b, 3, 1, [3])])
+    inputs = batch.prepare(out, pad_tokens_to=9)
+    assert inputs.padded_tokens == 9
+    assert inputs.input_ids.tolist() == [100, 101, 102, 103, 104, 7, 0, 0, 0]
+    assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 3, 0, 0, 0]
+    assert inputs.meta.slot_mapping.tolist()[6:] == [-1, -1, -1]
+    # the requests' own metadata is untouched: the padding is past query_start_loc[-1]
+    assert inputs.meta.query_start_loc.tolist() == [0, 5, 6]
+    assert inputs.meta.seq_lens.tolist() == [5, 4]
+    assert inputs.logits_indices.tolist() == [4, 5]

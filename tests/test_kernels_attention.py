@@ -289,6 +289,23 @@ def test_backend_matches_torch_backend_on_mixed_batch(dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_on_decodes_around_prompt_chunks_with_padding_tokens(dtype: torch.dtype) -> None:
+    """A mixed step as the piecewise graphs run it: decode rows before and after prompt chunks,
+    and padding tokens past the last request (their rows are never read)."""
+    query_lens, seq_lens = [1, 1, 1, 17, 1, 5], [40, 1, 129, 17, 70, 33]
+    query, key, value, kv_cache, meta = make_batch(
+        query_lens, seq_lens, 8, 2, 64, dtype, padding_tokens=3
+    )
+    ref_cache = kv_cache.float().clone()
+    out = write_and_attend(TritonAttentionBackend(), query, key, value, kv_cache, meta, 0.125)
+    ref = write_and_attend(
+        TorchAttentionBackend(), query.float(), key.float(), value.float(), ref_cache, meta, 0.125
+    )
+    n = sum(query_lens)
+    assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_decode_matches_torch_backend(dtype: torch.dtype) -> None:
     seq_lens = [1, 16, 17, 64, 100]
     query, key, value, kv_cache, meta = make_batch([1] * 5, seq_lens, 8, 4, 64, dtype)

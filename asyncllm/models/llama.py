@@ -50,19 +50,23 @@ class Attention(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(
+    def project(
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """The query; keys and values go to the KV cache."""
         qkv = self.qkv_proj(x)
-        q = self.backend.prepare_qkv(
+        return self.backend.prepare_qkv(
             qkv, positions, self.rotary, self.q_norm, self.k_norm, kv_cache, meta
         )
-        out = self.backend.attend(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.flatten(1))
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.backend.attend(query, kv_cache, meta, self.scale)
 
 
 class MLP(nn.Module):
@@ -95,11 +99,30 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        query, residual = self.before_attention(positions, x, residual, kv_cache, meta)
+        return self.after_attention(self.self_attn.attend(query, kv_cache, meta), residual)
+
+    # the two halves are the pieces piecewise CUDA graphs capture around the attention
+    def before_attention(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query, residual)"""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        return self.self_attn.project(positions, x, kv_cache, meta), residual
+
+    def after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual)"""
+        x = self.self_attn.o_proj(attn_out.flatten(1))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

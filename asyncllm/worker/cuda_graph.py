@@ -1,7 +1,13 @@
-"""Decode steps replayed from CUDA graphs captured once at a ladder of batch sizes.
+"""Steps replayed from CUDA graphs captured once at a ladder of sizes.
+
+Pure-decode steps replay one graph of the whole forward pass per batch size. Steps with prompt
+tokens replay piecewise graphs per token count: everything between two attentions is a graph,
+each layer's attention runs eagerly on the step's own metadata (its launch depends on how the
+tokens split into requests), so a step launches L + 1 graphs and L attention kernels instead of
+about ten kernels per layer from Python.
 
 A graph reads its inputs from InputBatch's fixed device buffers, so a replay is: fill the
-buffers (padding the batch up to the graph's size), replay, read the logits rows that sample.
+buffers (padding up to the graph's size), replay, read the rows that sample.
 """
 
 from __future__ import annotations
@@ -22,6 +28,30 @@ def batch_size_ladder(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to max_batch (as vLLM does)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
     return sorted(set(sizes + [max_batch]))
+
+
+def token_count_ladder(max_tokens: int, cap: int = 2048) -> list[int]:
+    """Token counts for the piecewise graphs: steps of 64 up to 512, of 128 up to 1024, of 256
+    up to cap (padding under 64 tokens, or under a quarter of the step's), and max_tokens itself
+    when it is below cap.
+    Bigger steps run eagerly: their launches cost little next to their compute."""
+    ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, cap + 1, 256)]
+    sizes = [size for size in ladder if size < max_tokens and size <= cap]
+    return sizes + [max_tokens] if max_tokens <= cap else sizes
+
+
+def _static_meta(input_batch: InputBatch, size: int, max_query_len: int) -> AttentionMetadata:
+    """Metadata over the fixed device buffers, for capture (host fields are placeholders)."""
+    return AttentionMetadata(
+        query_start_loc=input_batch.query_start_loc.device[: size + 1],
+        seq_lens=input_batch.seq_lens.device[:size],
+        block_tables=input_batch.block_tables.device[:size],
+        slot_mapping=input_batch.slot_mapping.device[:size],
+        max_query_len=max_query_len,
+        max_seq_len=input_batch.max_model_len,
+        query_lens_cpu=[1] * size,
+        seq_lens_cpu=[1] * size,
+    )
 
 
 class CudaGraphRunner:
@@ -81,17 +111,89 @@ class CudaGraphRunner:
     def _forward(self, size: int) -> torch.Tensor:
         """The decode forward pass over the device buffers: no host data, no copies."""
         batch = self.input_batch
-        meta = AttentionMetadata(
-            query_start_loc=batch.query_start_loc.device[: size + 1],
-            seq_lens=batch.seq_lens.device[:size],
-            block_tables=batch.block_tables.device[:size],
-            slot_mapping=batch.slot_mapping.device[:size],
-            max_query_len=1,
-            max_seq_len=batch.max_model_len,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[1] * size,
-        )
+        meta = _static_meta(batch, size, max_query_len=1)
         hidden = self.model(
             batch.input_ids.device[:size], batch.positions.device[:size], self.kv_caches, meta
         )
         return self.model.compute_logits(hidden)
+
+
+class PiecewiseGraphRunner:
+    """Graph i (0 < i < L) is layer i-1 after its attention, then layer i up to its query;
+    graph 0 starts at the embedding, graph L ends at the final norm. Between graphs, queries,
+    attention outputs and the residual stream sit in fixed buffers."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        input_batch: InputBatch,
+        sizes: list[int],
+        stream: torch.cuda.Stream,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.input_batch = input_batch
+        self.sizes = sizes
+        self.stream = stream
+        attn = model.layers[0].self_attn
+        hidden_size = model.config.hidden_size
+        rows, like = max(sizes), kv_caches[0]
+        self.query = like.new_zeros(rows, attn.num_heads, attn.head_dim)
+        self.attn_out = like.new_zeros(rows, attn.num_heads, attn.head_dim)
+        self.residual = like.new_zeros(rows, hidden_size)
+        self.hidden = like.new_zeros(rows, hidden_size)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        batch, rows = self.input_batch, max(self.sizes)
+        batch.pad_tokens(0, rows)  # captures write no KV
+        for buffer in (batch.input_ids, batch.positions, batch.slot_mapping):
+            buffer.copy_rows(rows)
+        pool = None
+        with torch.cuda.stream(self.stream):
+            for size in reversed(self.sizes):
+                self.graphs[size] = []
+                for piece in range(len(self.model.layers) + 1):
+                    self._piece(piece, size)  # warm-up: triton compiles outside capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                        self._piece(piece, size)
+                    self.graphs[size].append(graph)
+                    pool = graph.pool()
+        self.stream.synchronize()
+        logger.info(
+            "captured piecewise CUDA graphs for %d token counts in %.1f s",
+            len(self.sizes),
+            time.perf_counter() - start,
+        )
+
+    def run(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [size, hidden]; the step's inputs must be in the device buffers,
+        padded to size, and meta is the step's own."""
+        graphs = self.graphs[size]
+        query, attn_out = self.query[:size], self.attn_out[:size]
+        for graph, layer, kv_cache in zip(graphs, self.model.layers, self.kv_caches):
+            graph.replay()
+            attn_out.copy_(layer.self_attn.attend(query, kv_cache, meta))
+        graphs[-1].replay()
+        return self.hidden[:size]
+
+    def _piece(self, index: int, size: int) -> None:
+        batch, model, layers = self.input_batch, self.model, self.model.layers
+        if index == 0:
+            x, residual = model.embed_tokens(batch.input_ids.device[:size]), None
+        else:
+            layer = layers[index - 1]
+            x, residual = layer.after_attention(self.attn_out[:size], self.residual[:size])
+        if index == len(layers):
+            self.hidden[:size].copy_(model.norm(x, residual)[0])
+            return
+        meta = _static_meta(batch, size, max_query_len=size)
+        positions, kv_cache = batch.positions.device[:size], self.kv_caches[index]
+        query, residual = layers[index].before_attention(positions, x, residual, kv_cache, meta)
+        self.query[:size].copy_(query)
+        if residual.data_ptr() != self.residual.data_ptr():
+            self.residual[:size].copy_(residual)

@@ -20,7 +20,7 @@ from asyncllm.core.scheduler_output import SchedulerOutput
 
 @dataclass
 class StepInputs:
-    # tokens handed to the model: padded up to a CUDA graph's batch size on pure-decode steps
+    # tokens handed to the model: padded up to a CUDA graph's size
     padded_tokens: int
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -104,9 +104,12 @@ class InputBatch:
         scheduler_output: SchedulerOutput,
         pad_to: int | None = None,
         previous: DeviceTokens | None = None,
+        pad_tokens_to: int | None = None,
     ) -> StepInputs:
-        """Fill the buffers for this step; pad_to pads a pure-decode batch to a graph's size;
-        previous: the ids sampled by the step before, for inputs not yet on the host."""
+        """Fill the buffers for this step; pad_to pads a pure-decode batch to a graph's size
+        (one-token requests); pad_tokens_to pads any other step's tokens to a piecewise graph's
+        size (tokens that belong to no request); previous: the ids sampled by the step before,
+        for inputs not yet on the host."""
         self.remove_requests(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
         for buffer in self._buffers:
             buffer.flip()
@@ -137,18 +140,21 @@ class InputBatch:
         padded = pad_to or num_reqs
         if pad_to is not None:
             self.pad(num_reqs, pad_to)
+        padded_tokens = max(padded, num_tokens)
+        if pad_tokens_to is not None:
+            self.pad_tokens(num_tokens, pad_tokens_to)
+            padded_tokens = pad_tokens_to
         query_lens = counts.tolist()
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc.copy_rows(padded + 1),
             seq_lens=self.seq_lens.copy_rows(padded),
             block_tables=self._copy_tables(padded, width),
-            slot_mapping=self.slot_mapping.copy_rows(max(padded, num_tokens)),
+            slot_mapping=self.slot_mapping.copy_rows(padded_tokens),
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens.tolist(),
         )
-        padded_tokens = max(padded, num_tokens)
         input_ids = self.input_ids.copy_rows(padded_tokens)
         if num_on_device:
             targets = self.device_token_targets.copy_rows(num_on_device)
@@ -206,6 +212,13 @@ class InputBatch:
         self.query_start_loc.np[num_reqs + 1 : pad_to + 1] = np.arange(num_reqs + 1, pad_to + 1)
         self.seq_lens.np[num_reqs:pad_to] = 1
         self.block_tables.np[num_reqs:pad_to, 0] = 0
+
+    def pad_tokens(self, start: int, end: int) -> None:
+        """Padding tokens: token 0 at position 0, writing nowhere; no request's query covers
+        them, so attention leaves their rows alone."""
+        self.input_ids.np[start:end] = 0
+        self.positions.np[start:end] = 0
+        self.slot_mapping.np[start:end] = -1
 
     def _copy_tables(self, num_rows: int, width: int) -> torch.Tensor:
         buffer = self.block_tables

@@ -33,7 +33,12 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
-from asyncllm.worker.cuda_graph import CudaGraphRunner, batch_size_ladder
+from asyncllm.worker.cuda_graph import (
+    CudaGraphRunner,
+    PiecewiseGraphRunner,
+    batch_size_ladder,
+    token_count_ladder,
+)
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 
 _CPU_KV_CACHE_BYTES = 2 << 30
@@ -121,7 +126,9 @@ class ModelRunner:
         )
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.decode_sizes = self._decode_sizes()
+        self.mixed_sizes = self._mixed_sizes()
         self.cuda_graphs = self._capture_cuda_graphs()
+        self.piecewise_graphs = self._capture_piecewise_graphs()
         self._last_sampled: DeviceTokens | None = None
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "model-runner-launch")
@@ -174,13 +181,16 @@ class ModelRunner:
         # a preempted request's token in flight is dropped: its history restarts from the host
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
         decode_size = self._decode_batch_size(scheduler_output)
-        inputs = self.input_batch.prepare(scheduler_output, decode_size, self._last_sampled)
+        mixed_size = None if decode_size is not None else self._mixed_size(scheduler_output)
+        inputs = self.input_batch.prepare(
+            scheduler_output, decode_size, self._last_sampled, pad_tokens_to=mixed_size
+        )
         prompt_spans = self._prompt_spans(scheduler_output)
         hidden = None
         if decode_size is not None:
             logits = self._decode_logits(inputs, decode_size)[inputs.logits_indices]
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self._mixed_hidden(inputs, mixed_size)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampled = meta = None
         if inputs.sampling_rows:
@@ -232,6 +242,18 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
+    def _mixed_size(self, scheduler_output: SchedulerOutput) -> int | None:
+        """For a step with prompt tokens on the GPU, the padded token count of its piecewise
+        graphs (None past the largest: it runs unpadded and eagerly). With graphs off such
+        steps still run padded, so that both modes give bit-identical outputs."""
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        return next((size for size in self.mixed_sizes if size >= num_tokens), None)
+
+    def _mixed_hidden(self, inputs: StepInputs, size: int | None) -> torch.Tensor:
+        if size is not None and self.piecewise_graphs is not None:
+            return self.piecewise_graphs.run(size, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
     def _prompt_spans(self, scheduler_output: SchedulerOutput) -> list[PromptSpan]:
         spans, offset = [], 0
         for s in scheduler_output.scheduled:
@@ -253,6 +275,20 @@ class ModelRunner:
         if self.device.type != "cuda" or model.attention_backend != "triton":
             return []
         return batch_size_ladder(min(self.config.scheduler.max_num_seqs, _MAX_CUDA_GRAPH_BATCH))
+
+    def _mixed_sizes(self) -> list[int]:
+        if not self.decode_sizes:  # the same conditions: CUDA and the Triton backend
+            return []
+        return token_count_ladder(self.config.scheduler.max_num_batched_tokens)
+
+    def _capture_piecewise_graphs(self) -> PiecewiseGraphRunner | None:
+        if not self.mixed_sizes or self.config.model.enforce_eager:
+            return None
+        graphs = PiecewiseGraphRunner(
+            self.model, self.kv_caches, self.input_batch, self.mixed_sizes, self.stream
+        )
+        graphs.capture()
+        return graphs
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
         if not self.decode_sizes or self.config.model.enforce_eager:
