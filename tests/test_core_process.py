@@ -124,6 +124,22 @@ async def test_abort_and_stop_strings_free_the_core_blocks(engines) -> None:
     await until(lambda: idle(spawned))
 
 
+@pytest.mark.parametrize("engine_process", [True, False])
+async def test_a_request_the_kv_cache_could_never_hold_is_refused(
+    tiny_model_dir, engine_process: bool
+) -> None:
+    """As a ValueError (the server's 400), leaving nothing behind; the engine goes on."""
+    args = engine_args(tiny_model_dir, engine_process=engine_process, num_kv_blocks=4)
+    engine = AsyncLLM.from_engine_args(args)
+    too_long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    with pytest.raises(ValueError, match="needs up to 7 KV cache blocks, the cache has 4"):
+        await collect(engine, "x" * 20, too_long, "big")
+    assert not engine.collectors and not engine.engine.output_processor.states
+    fits = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    assert len((await collect(engine, "hi", fits, "small"))[-1].outputs[0].token_ids) == 5
+    await engine.shutdown()
+
+
 async def test_a_core_that_fails_to_start_says_why(tiny_model_dir) -> None:
     with pytest.raises(EngineCoreGone, match="too small to hold two KV blocks"):
         AsyncLLM.from_engine_args(

@@ -86,7 +86,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} already exists.")
-        self._check_fits(request)
+        manager = self.kv_cache_manager
+        check_fits(request, self.config, manager.num_blocks, manager.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -271,30 +272,28 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
 
-    def _check_fits(self, request: Request) -> None:
-        """Rejects a request that could never run, which would otherwise preempt itself forever."""
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt.")
-        if num_prompt > self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {num_prompt} tokens exceeds max_model_len ({self.config.max_model_len})."
-            )
-        final_len = min(num_prompt + request.max_tokens, self.config.max_model_len)
-        # the last sampled token is never computed, so it needs no KV slot
-        max_computed = max(num_prompt, final_len - 1)
-        if (
-            not self.config.enable_chunked_prefill
-            and max_computed > self.config.max_num_batched_tokens
-        ):
-            raise ValueError(
-                f"request {request.request_id!r} may need {max_computed} tokens in one step "
-                f"(without chunked prefill), over max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens})."
-            )
-        num_blocks = cdiv(max_computed, self.kv_cache_manager.block_size)
-        if num_blocks > self.kv_cache_manager.num_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} needs up to {num_blocks} KV cache blocks, "
-                f"the cache has {self.kv_cache_manager.num_blocks}."
-            )
+
+def check_fits(request: Request, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+    """Rejects a request that could never run, which would otherwise preempt itself forever."""
+    num_prompt = request.num_prompt_tokens
+    if num_prompt == 0:
+        raise ValueError(f"request {request.request_id!r} has an empty prompt.")
+    if num_prompt > config.max_model_len:
+        raise ValueError(
+            f"prompt of {num_prompt} tokens exceeds max_model_len ({config.max_model_len})."
+        )
+    final_len = min(num_prompt + request.max_tokens, config.max_model_len)
+    # the last sampled token is never computed, so it needs no KV slot
+    max_computed = max(num_prompt, final_len - 1)
+    if not config.enable_chunked_prefill and max_computed > config.max_num_batched_tokens:
+        raise ValueError(
+            f"request {request.request_id!r} may need {max_computed} tokens in one step "
+            f"(without chunked prefill), over max_num_batched_tokens "
+            f"({config.max_num_batched_tokens})."
+        )
+    needed = cdiv(max_computed, block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"request {request.request_id!r} needs up to {needed} KV cache blocks, "
+            f"the cache has {num_blocks}."
+        )

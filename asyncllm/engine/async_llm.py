@@ -66,8 +66,14 @@ class AsyncLLM:
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.collectors[request_id] = collector
-        for engine_request in self.engine.output_processor.add_request(request, text, collector):
-            self.client.add_request(engine_request)
+        try:  # the engine refuses a request it could never run (ValueError)
+            for engine_request in self.engine.output_processor.add_request(
+                request, text, collector
+            ):
+                self.client.add_request(engine_request)
+        except BaseException:
+            self.abort(request_id)
+            raise
         self._ensure_engine_task()
         finished = False
         try:

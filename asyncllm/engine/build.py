@@ -32,7 +32,7 @@ def build_engine(args: EngineArgs, core_process_allowed: bool = False) -> Engine
     own_process = core_process_allowed and config.engine_process
     return EngineParts(
         config=config,
-        core=CoreProcessClient(args) if own_process else EngineCore(config),
+        core=CoreProcessClient(config) if own_process else EngineCore(config),
         tokenizer=tokenizer,
         input_processor=InputProcessor(config.model, tokenizer),
         output_processor=OutputProcessor(tokenizer),

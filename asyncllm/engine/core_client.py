@@ -14,7 +14,8 @@ import sys
 import threading
 from typing import Protocol
 
-from asyncllm.config import EngineArgs
+from asyncllm.config import EngineArgs, EngineConfig
+from asyncllm.core.scheduler import check_fits
 from asyncllm.engine.core import EngineCore, EngineCoreOutput
 from asyncllm.engine.core_process import (
     AddRequest,
@@ -22,6 +23,7 @@ from asyncllm.engine.core_process import (
     EngineStats,
     Failed,
     FinishRequests,
+    Ready,
     Shutdown,
 )
 from asyncllm.request import Request, RequestStatus
@@ -89,7 +91,8 @@ class CoreProcessClient:
     talks to it over two pipes: requests go out from the event loop, steps come back through a
     reader thread."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        self.scheduler_config = config.scheduler
         inbox_reader, self._inbox = multiprocessing.Pipe(duplex=False)
         self._outbox, outbox_writer = multiprocessing.Pipe(duplex=False)
         fds = (inbox_reader.fileno(), outbox_writer.fileno())
@@ -98,12 +101,12 @@ class CoreProcessClient:
         )
         inbox_reader.close()
         outbox_writer.close()
-        self._send(args)
-        self._wait_until_ready()
+        self._send(config.args)
+        self.capacity = self._wait_until_ready()
         self._stats = EngineStats()
         self._steps: asyncio.Queue[CoreStep | Failed] | None = None
 
-    def _wait_until_ready(self) -> None:
+    def _wait_until_ready(self) -> Ready:
         try:
             message = self._outbox.recv()
         except EOFError:
@@ -111,8 +114,13 @@ class CoreProcessClient:
         if isinstance(message, Failed):
             self.process.wait()
             raise EngineCoreGone(f"the engine core did not start: {message.error}")
+        return message
 
     def add_request(self, request: Request) -> None:
+        """Raises ValueError, as the scheduler would, for a request that could never run."""
+        check_fits(
+            request, self.scheduler_config, self.capacity.num_blocks, self.capacity.block_size
+        )
         self._send(AddRequest(request))
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:

@@ -63,7 +63,9 @@ class Shutdown:
 
 @dataclass
 class Ready:
-    pass
+    # the KV cache's size, for the front end to refuse requests that could never fit
+    num_blocks: int
+    block_size: int
 
 
 @dataclass
@@ -97,7 +99,8 @@ def run_core_process(inbox: Connection, outbox: Connection) -> None:
     except BaseException as e:
         outbox.send(Failed(f"{type(e).__name__}: {e}"))
         return
-    outbox.send(Ready())
+    manager = core.kv_cache_manager
+    outbox.send(Ready(manager.num_blocks, manager.block_size))
     try:
         CoreLoop(core, outbox).run(_receive_in_thread(inbox))
     except BaseException as e:
