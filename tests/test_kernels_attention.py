@@ -305,6 +305,22 @@ def test_backend_on_decodes_around_prompt_chunks_with_padding_tokens(dtype: torc
     assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("backend", [TorchAttentionBackend(), TritonAttentionBackend()])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 9, 1, 4]])
+def test_backends_write_into_a_given_output(backend, query_lens: list[int]) -> None:
+    seq_lens = [20, 9, 37, 4][: len(query_lens)]
+    query, key, value, kv_cache, meta = make_batch(
+        query_lens, seq_lens, 4, 2, 32, torch.float32, padding_tokens=2
+    )
+    write = reshape_and_cache if isinstance(backend, TritonAttentionBackend) else write_kv_cache
+    write(key, value, kv_cache, meta.slot_mapping)
+    fresh = backend.attend(query, kv_cache, meta, 0.125)
+    out = torch.zeros_like(query)
+    assert backend.attend(query, kv_cache, meta, 0.125, out) is out
+    n = sum(query_lens)
+    assert torch.equal(out[:n], fresh[:n])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_decode_matches_torch_backend(dtype: torch.dtype) -> None:
     seq_lens = [1, 16, 17, 64, 100]

@@ -64,6 +64,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # written in place when given
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attend over the paged context, which already holds this step's keys and values."""
         ...

@@ -125,16 +125,26 @@ class TorchAttentionBackend:
         return query
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        out = torch.empty_like(query) if out is None else out
         if meta.is_pure_decode:
-            return self._decode(query, kv_cache, meta, scale)
-        return self._varlen(query, kv_cache, meta, scale)
+            return self._decode(query, kv_cache, meta, scale, out)
+        return self._varlen(query, kv_cache, meta, scale, out)
 
     def _varlen(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
     ) -> torch.Tensor:
-        out = torch.empty_like(query)
         start = 0
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
@@ -146,13 +156,17 @@ class TorchAttentionBackend:
         return out
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         """One query per request: each group of requests of similar lengths gathers its block
         tables at once and masks past each length."""
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = kv_cache.shape[-2]
-        out = torch.empty_like(query)
         for group in self._groups_of(meta, kv_cache.shape[2]):
             keys, values = gather_blocks(kv_cache, group.block_tables)
             keys = keys.flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]

@@ -30,7 +30,12 @@ class TritonAttentionBackend:
         return norm_rope_and_cache(*args, q_norm.weight, k_norm.weight, q_norm.eps)
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.is_pure_decode:
             return paged_decode_attention(
@@ -39,6 +44,7 @@ class TritonAttentionBackend:
                 meta.block_tables,
                 meta.seq_lens,
                 scale,
+                out,
                 max_seq_len=meta.max_seq_len,
             )
         return paged_prefill_attention(
@@ -49,4 +55,5 @@ class TritonAttentionBackend:
             meta.block_tables,
             scale,
             meta.max_query_len,
+            out,
         )

@@ -64,9 +64,13 @@ class Attention(nn.Module):
         )
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.backend.attend(query, kv_cache, meta, self.scale)
+        return self.backend.attend(query, kv_cache, meta, self.scale, out)
 
 
 class MLP(nn.Module):

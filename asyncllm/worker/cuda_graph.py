@@ -177,7 +177,7 @@ class PiecewiseGraphRunner:
         query, attn_out = self.query[:size], self.attn_out[:size]
         for graph, layer, kv_cache in zip(graphs, self.model.layers, self.kv_caches):
             graph.replay()
-            attn_out.copy_(layer.self_attn.attend(query, kv_cache, meta))
+            layer.self_attn.attend(query, kv_cache, meta, out=attn_out)
         graphs[-1].replay()
         return self.hidden[:size]
 
