@@ -14,6 +14,16 @@ def request(rid: str, n: int) -> Request:
     return Request(rid, list(range(100, 100 + n)), SamplingParams())
 
 
+def cpu_batch(max_num_reqs: int, max_tokens: int) -> InputBatch:
+    return InputBatch(
+        max_num_reqs=max_num_reqs,
+        max_num_tokens=max_tokens,
+        max_model_len=max_tokens,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+
+
 def scheduled(req: Request, computed: int, new: int, blocks: list[int]) -> ScheduledRequest:
     return ScheduledRequest(req, num_new_tokens=new, num_computed_tokens=computed, block_ids=blocks)
 
@@ -57,13 +67,7 @@ def check(batch: InputBatch, out: SchedulerOutput) -> None:
 
 
 def test_prefill_chunks_then_decode_with_growing_tables() -> None:
-    batch = InputBatch(
-        max_num_reqs=4,
-        max_num_tokens=64,
-        max_model_len=64,
-        block_size=BLOCK,
-        device=torch.device("cpu"),
-    )
+    batch = cpu_batch(max_num_reqs=4, max_tokens=64)
     a, b = request("a", 10), request("b", 3)
     check(batch, SchedulerOutput([scheduled(a, 0, 6, [7, 2]), scheduled(b, 0, 3, [5])]))
     b.append_output_token(9)
@@ -74,13 +78,7 @@ def test_prefill_chunks_then_decode_with_growing_tables() -> None:
 
 
 def test_finished_rows_are_reused_with_fresh_tables() -> None:
-    batch = InputBatch(
-        max_num_reqs=1,
-        max_num_tokens=16,
-        max_model_len=16,
-        block_size=BLOCK,
-        device=torch.device("cpu"),
-    )
+    batch = cpu_batch(max_num_reqs=1, max_tokens=16)
     a = request("a", 5)
     check(batch, SchedulerOutput([scheduled(a, 0, 5, [3, 4])]))
     c = request("c", 2)
@@ -90,13 +88,7 @@ def test_finished_rows_are_reused_with_fresh_tables() -> None:
 
 
 def test_padding_rows_write_nowhere() -> None:
-    batch = InputBatch(
-        max_num_reqs=8,
-        max_num_tokens=16,
-        max_model_len=16,
-        block_size=BLOCK,
-        device=torch.device("cpu"),
-    )
+    batch = cpu_batch(max_num_reqs=8, max_tokens=16)
     a = request("a", 3)
     a.append_output_token(1)
     inputs = batch.prepare(SchedulerOutput([scheduled(a, 3, 1, [2])]), pad_to=4)
@@ -107,13 +99,7 @@ def test_padding_rows_write_nowhere() -> None:
 
 
 def test_padding_tokens_belong_to_no_request_and_write_nowhere() -> None:
-    batch = InputBatch(
-        max_num_reqs=8,
-        max_num_tokens=16,
-        max_model_len=16,
-        block_size=BLOCK,
-        device=torch.device("cpu"),
-    )
+    batch = cpu_batch(max_num_reqs=8, max_tokens=16)
     a, b = request("a", 5), request("b", 3)
     b.append_output_token(7)
     out = SchedulerOutput([scheduled(a, 0, 5, [1, 2]), scheduled(b, 3, 1, [3])])

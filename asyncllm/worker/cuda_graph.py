@@ -54,7 +54,10 @@ def _static_meta(input_batch: InputBatch, size: int, max_query_len: int) -> Atte
     )
 
 
-class CudaGraphRunner:
+class _GraphRunner:
+    """What both kinds of graphs run over: the model, its KV caches, the input buffers, the
+    sizes to capture, and the runner's stream."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -66,8 +69,13 @@ class CudaGraphRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.input_batch = input_batch
-        self.stream = stream
         self.sizes = sizes
+        self.stream = stream
+
+
+class CudaGraphRunner(_GraphRunner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -118,27 +126,16 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)
 
 
-class PiecewiseGraphRunner:
+class PiecewiseGraphRunner(_GraphRunner):
     """Graph i (0 < i < L) is layer i-1 after its attention, then layer i up to its query;
     graph 0 starts at the embedding, graph L ends at the final norm. Between graphs, queries,
     attention outputs and the residual stream sit in fixed buffers."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        kv_caches: list[torch.Tensor],
-        input_batch: InputBatch,
-        sizes: list[int],
-        stream: torch.cuda.Stream,
-    ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.input_batch = input_batch
-        self.sizes = sizes
-        self.stream = stream
-        attn = model.layers[0].self_attn
-        hidden_size = model.config.hidden_size
-        rows, like = max(sizes), kv_caches[0]
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        attn = self.model.layers[0].self_attn
+        hidden_size = self.model.config.hidden_size
+        rows, like = max(self.sizes), self.kv_caches[0]
         self.query = like.new_zeros(rows, attn.num_heads, attn.head_dim)
         self.attn_out = like.new_zeros(rows, attn.num_heads, attn.head_dim)
         self.residual = like.new_zeros(rows, hidden_size)
