@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import EngineParts, build_engine, process_outputs
+from asyncllm.engine.build import EngineParts, add_request, build_engine, process_outputs
 from asyncllm.engine.core_client import CoreClient, CoreProcessClient, LocalCoreClient
 from asyncllm.engine.core_process import EngineStats
 from asyncllm.engine.input_processor import PromptType
@@ -65,15 +65,8 @@ class AsyncLLM:
             request_id, prompt, sampling_params, priority, add_special_tokens
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
+        add_request(self.engine, request, text, collector, self.client)
         self.collectors[request_id] = collector
-        try:  # the engine refuses a request it could never run (ValueError)
-            for engine_request in self.engine.output_processor.add_request(
-                request, text, collector
-            ):
-                self.client.add_request(engine_request)
-        except BaseException:
-            self.abort(request_id)
-            raise
         self._ensure_engine_task()
         finished = False
         try:

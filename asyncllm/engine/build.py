@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core import EngineCore, EngineCoreOutput
-from asyncllm.engine.core_client import CoreProcessClient
+from asyncllm.engine.core_client import CoreClient, CoreProcessClient
 from asyncllm.engine.input_processor import InputProcessor, load_tokenizer
 from asyncllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from asyncllm.outputs import RequestOutput
@@ -44,11 +44,18 @@ def add_request(
     request: Request,
     prompt: str | None,
     collector: RequestOutputCollector | None = None,
+    core: EngineCore | CoreClient | None = None,
 ) -> None:
     """Registers a processed request for output processing and hands it (or its parallel
-    samples) to the engine core."""
-    for engine_request in engine.output_processor.add_request(request, prompt, collector):
-        engine.core.add_request(engine_request)
+    samples) to the engine core (or to `core`, what drives it). A request the core refuses
+    (ValueError: it could never run) is forgotten again."""
+    core = core or engine.core
+    try:
+        for engine_request in engine.output_processor.add_request(request, prompt, collector):
+            core.add_request(engine_request)
+    except ValueError:
+        engine.output_processor.abort([request.request_id])
+        raise
 
 
 def process_outputs(engine: EngineParts, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
