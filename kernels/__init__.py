@@ -7,6 +7,7 @@ importable as `kernels` and treats one without a version in its supported range 
 from kernels.activation import silu_and_mul
 from kernels.cache import reshape_and_cache
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.gemv import gemv, rms_norm_gemv, silu_and_mul_gemv
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.qkv_prep import norm_rope_and_cache
@@ -17,15 +18,18 @@ from kernels.skinny_gemm import skinny_gemm
 __all__ = [
     "choose_num_splits",
     "fused_add_rms_norm",
+    "gemv",
     "norm_rope_and_cache",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepare_logits",
     "reshape_and_cache",
+    "rms_norm_gemv",
     "rms_norm",
     "rotary_embedding",
     "row_logprobs",
     "sample_masked",
+    "silu_and_mul_gemv",
     "silu_and_mul",
     "skinny_gemm",
 ]

@@ -9,8 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
-from asyncllm.models.layers.activation import silu_and_mul
-from asyncllm.models.layers.linear import Linear
+from asyncllm.models.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
 from asyncllm.models.layers.norm import RMSNorm
 from asyncllm.models.layers.rotary import RotaryEmbedding
 
@@ -50,15 +49,14 @@ class Attention(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def project(
+    def prepare_qkv(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The query; keys and values go to the KV cache."""
-        qkv = self.qkv_proj(x)
         return self.backend.prepare_qkv(
             qkv, positions, self.rotary, self.q_norm, self.k_norm, kv_cache, meta
         )
@@ -83,8 +81,8 @@ class MLP(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_linear(self.down_proj, gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -116,19 +114,19 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(query, residual)"""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        return self.self_attn.project(positions, x, kv_cache, meta), residual
+        attn = self.self_attn
+        qkv, residual = rms_norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
+        return attn.prepare_qkv(positions, qkv, kv_cache, meta), residual
 
     def after_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual)"""
         x = self.self_attn.o_proj(attn_out.flatten(1))
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        gate_up, residual = rms_norm_linear(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual
+        )
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,9 +1,10 @@
-"""Linear layers: a skinny-GEMM kernel for decode-sized batches on CUDA, and oneDNN-packed
-weights for fp32 on CPU.
+"""Linear layers: one-row GEMV kernels for batch-1 decode on CUDA (with the RMSNorm or
+SiLU-and-mul before the GEMM fused in), and oneDNN-packed weights for fp32 on CPU.
 
 At batch 1 on an H200, cuBLAS spends 0.89 ms of a 1.28 ms Qwen3-0.6B decode step reading its
-1.2 GB of weights, a third of copy bandwidth (bench/results/profile_decode_qwen3_h200.json):
-kernels.skinny_gemm streams them with wide loads over enough programs to fill the SMs.
+1.2 GB of weights, a third of copy bandwidth (bench/results/profile_decode_qwen3_h200.json),
+and the norms and activation between the GEMMs are launches of their own: kernels.gemv reads
+the weights over enough programs to fill the SMs, one launch per projection.
 
 On this project's CPUs oneDNN runs the model's skinny fp32 GEMMs 1.5-4x faster than F.linear
 once the weight is stored in oneDNN's own layout (measured: 32 x 576 x 49152 in 5.1 ms instead
@@ -16,21 +17,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import skinny_gemm
+import kernels
+from asyncllm.models.layers.activation import silu_and_mul
+from asyncllm.models.layers.norm import RMSNorm
 
-# at 8 rows cuBLAS was as fast or faster on the H200 (bench/results/skinny_gemm_h200.json)
-SKINNY_MAX_ROWS = 1
 # rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
 _ROWS_HINT = 32
 
 
+def single_cuda_row(x: torch.Tensor) -> bool:
+    """Batch-1 decode on CUDA, the GEMV kernels' case: at 8 rows cuBLAS was as fast as a
+    skinny kernel (bench/results/skinny_gemm_h200.json)."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose CUDA inputs of at most SKINNY_MAX_ROWS rows go through skinny_gemm."""
+    """nn.Linear whose single CUDA rows go through kernels.gemv."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
-            return skinny_gemm(x, self.weight, self.bias)
+        if single_cuda_row(x):
+            return kernels.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def rms_norm_linear(
+    norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual), the residual taken as 0 when None; one
+    kernel for a single CUDA row."""
+    if single_cuda_row(x):
+        return kernels.rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    if residual is None:
+        return linear(norm(x)), x
+    x, residual = norm(x, residual)
+    return linear(x), residual
+
+
+def silu_and_mul_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(silu(gate) * up) for x = [gate | up]; one kernel for a single CUDA row."""
+    if single_cuda_row(x):
+        return kernels.silu_and_mul_gemv(x, linear.weight, linear.bias)
+    return linear(silu_and_mul(x))
 
 
 class PackedLinear(nn.Module):

@@ -1,0 +1,190 @@
+"""y = f(x) @ W^T (+ bias) for one row x: batch-1 decode's GEMMs, bound by reading W once.
+
+f is the elementwise op the decoder layer runs before the GEMM, fused in so that each projection
+is one launch: nothing, RMSNorm (with the residual add), or SiLU-and-mul. x is a single row of a
+few KB, so every program recomputes f on the slice of it that it needs, from L2, next to its
+slice of W. Each program owns two rows of W and reads them whole along K: even 1024-row weights
+give every SM a few programs, so K is never split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import next_pow2
+
+# what runs on x before the GEMM (constexpr, so the kernel may read them)
+NO_PROLOGUE = tl.constexpr(0)
+RMS_NORM = tl.constexpr(1)
+SILU_AND_MUL = tl.constexpr(2)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+@triton.jit
+def _summed_row(x_ptr, residual_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual) in fp32, rounded to x's dtype as the unfused residual add stores it."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    residual_ptr,
+    residual_out_ptr,
+    norm_weight_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[n] = sum_k f(x)[k] * w[n, k] (+ bias[n]); f's input dtype rounding as unfused."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    k = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+    rstd = 1.0
+    if PROLOGUE == RMS_NORM:  # the row's scale first; program 0 stores x + residual
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + k < K
+            x = _summed_row(x_ptr, residual_ptr, k0 + k, mask, HAS_RESIDUAL)
+            if HAS_RESIDUAL:  # noqa: SIM102 (a constexpr and a runtime test stay apart)
+                if pid == 0:
+                    tl.store(residual_out_ptr + k0 + k, x.to(dtype), mask=mask)
+            squares += x * x
+        rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + k
+        mask = cols < K
+        w = tl.load(
+            w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+            mask=row_mask[:, None] & mask[None, :],
+            other=0.0,
+        )
+        if PROLOGUE == RMS_NORM:
+            x = _summed_row(x_ptr, residual_ptr, cols, mask, HAS_RESIDUAL)
+            weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (x * rstd * weight).to(dtype).to(tl.float32)
+        elif PROLOGUE == SILU_AND_MUL:  # x holds [gate | up], 2K values
+            gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def choose_gemv_config(n: int, k: int) -> GemvConfig:
+    """Two rows of W per program, read along K in tiles of up to 4096 values, 8 warps from 2048:
+    the fastest in a sweep of 1-16 rows and 256-4096 values per row on every Qwen3-0.6B GEMM
+    but the lm_head (within 1% there), bench/results/decode_gemv_h200.json."""
+    block_k = min(next_pow2(k), 4096)
+    return GemvConfig(block_n=2, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    prologue: int,
+    config: GemvConfig | None,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    n = weight.shape[0]
+    assert x.is_contiguous() and weight.is_contiguous() and weight.shape[1] == k
+    assert weight.dtype == x.dtype
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    config = config or choose_gemv_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x,
+        residual if residual is not None else x,
+        residual_out if residual_out is not None else x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        n,
+        k,
+        eps,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+    )
+    return out
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T + bias [N] -> [1, N] in x's dtype, accumulated in fp32.
+
+    Like every function here it allocates only by shape and never syncs with the device, so
+    it can be captured in a CUDA graph."""
+    assert x.shape[0] == 1
+    return _launch(x, weight, bias, x.shape[1], NO_PROLOGUE, config)
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T + bias, x + residual) for one row; without a residual
+    the second is x itself. Neither input is written."""
+    assert x.shape[0] == 1 and (residual is None or residual.shape == x.shape)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    out = _launch(
+        x, weight, bias, x.shape[1], RMS_NORM, config, residual, residual_out, norm_weight, eps
+    )
+    return out, residual_out
+
+
+def silu_and_mul_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """(silu(x[:, :I]) * x[:, I:]) @ weight [N, I]^T + bias for one row x [1, 2 * I]."""
+    assert x.shape[0] == 1 and x.shape[1] % 2 == 0
+    return _launch(x, weight, bias, x.shape[1] // 2, SILU_AND_MUL, config)
