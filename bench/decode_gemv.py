@@ -5,7 +5,8 @@ weights (distinct tensors, so nothing stays in L2) in one CUDA graph, replayed.
 
 Sections: each GEMM shape alone for a sweep of GEMV tile configs, against cuBLAS (F.linear);
 then one layer's chain of projections with the norms and activation between them, unfused
-(separate norm, GEMM and activation launches, cuBLAS GEMMs) against the fused GEMV kernels.
+(separate norm, GEMM and activation launches; cuBLAS or GEMV GEMMs) against the fused GEMV
+kernels.
 GB/s counts the weight bytes, against a copy measured in the same run.
 """
 
@@ -33,7 +34,6 @@ from kernels import (  # noqa: E402
     rms_norm_gemv,
     silu_and_mul,
     silu_and_mul_gemv,
-    skinny_gemm,
 )
 from kernels.gemv import GemvConfig, choose_gemv_config  # noqa: E402
 
@@ -148,9 +148,9 @@ def layer_chain() -> dict:
 
     weight_bytes = sum(n * k * 2 for n, k in SHAPES.values())
     return {
-        "launches_per_layer": {"unfused_cublas": 7, "unfused_skinny": 9, "fused": 4},
+        "launches_per_layer": {"unfused": 7, "fused": 4},
         "unfused_cublas_us_per_layer": graph_us(lambda: unfused(F.linear)) / LAYERS,
-        "unfused_skinny_us_per_layer": graph_us(lambda: unfused(skinny_gemm)) / LAYERS,
+        "unfused_gemv_us_per_layer": graph_us(lambda: unfused(gemv)) / LAYERS,
         "fused_gemv_us_per_layer": graph_us(fused) / LAYERS,
         "weight_bytes_per_layer": weight_bytes,
         "floor_us_per_layer_at_copy": None,
@@ -181,8 +181,8 @@ def main() -> None:
             f"best {g['best']['us']:6.2f} us {g['best']['config']} cuBLAS {g['cublas_us']:6.2f} us"
         )
     print(
-        f"layer: unfused cuBLAS {chain['unfused_cublas_us_per_layer']:.1f} us, skinny "
-        f"{chain['unfused_skinny_us_per_layer']:.1f} us, fused "
+        f"layer: unfused cuBLAS {chain['unfused_cublas_us_per_layer']:.1f} us, unfused GEMV "
+        f"{chain['unfused_gemv_us_per_layer']:.1f} us, fused "
         f"{chain['fused_gemv_us_per_layer']:.1f} us, floor {chain['floor_us_per_layer_at_copy']:.1f} us"
     )
     if args.out:

@@ -16,11 +16,11 @@ workload=(--num-requests 256 --min-len 100 --max-len 1024 --max-model-len 4096
 
 case $what in
 checks)
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels_skinny_gemm.py \
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py \
     tests/test_kernels_sampling.py tests/test_kernels_qkv_prep.py tests/test_gpu_engine.py \
     tests/test_sampler.py tests/test_model_vs_hf.py > "$out/gpu_tests_h200.txt" 2>&1
   tail -3 "$out/gpu_tests_h200.txt"
-  python3 bench/kernels.py --sections skinny_gemm --out "$out/skinny_gemm_h200.json" | tail -4
+  python3 bench/decode_gemv.py --out "$out/decode_gemv_h200.json" | tail -6
   python3 bench/sampler.py --device cuda --decode-step --out "$out/sampler_h200.json" | tail -4
   python3 bench/profile_decode.py --batch 1 --steps 64 --out "$out/profile_decode_qwen3_h200.json" \
     > /dev/null

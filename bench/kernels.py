@@ -1,13 +1,10 @@
 """Kernel benchmarks on one GPU: bandwidth and FLOP rates against ceilings measured in the same run.
 
     python bench/kernels.py --out bench/results/kernels_h200.json
-    python bench/kernels.py --sections skinny_gemm skinny_gemm_sweep \\
-        --out bench/results/skinny_gemm_h200.json
 
 Ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul. Decode
 attention counts the KV bytes it must read plus q and out; prefill counts 4 * head_dim FLOPs per
-visible (query, key) pair per head. The skinny GEMMs count the weight, x and out bytes, against
-F.linear (cuBLAS) on the same inputs. Times are medians of triton.testing.do_bench, which clears
+visible (query, key) pair per head. Times are medians of triton.testing.do_bench, which clears
 the L2 cache before every call.
 """
 
@@ -36,16 +33,10 @@ from kernels import (  # noqa: E402
     rms_norm,
     rotary_embedding,
     silu_and_mul,
-    skinny_gemm,
 )
-from kernels._common import AttentionConfig, num_sms  # noqa: E402
+from kernels._common import AttentionConfig  # noqa: E402
 from kernels.decode_attention import choose_num_splits, default_decode_config  # noqa: E402
 from kernels.prefill_attention import default_prefill_config  # noqa: E402
-from kernels.skinny_gemm import (  # noqa: E402
-    SkinnyGemmConfig,
-    choose_skinny_config,
-    split_k_config,
-)
 
 # Qwen3-0.6B attention shape
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
@@ -84,21 +75,6 @@ PREFILL_SWEEP = [
         (64, 128, 4, 3),
     ]
 ]
-# (model, GEMM, N, K, calls per decode step) of Qwen3-0.6B (28 layers) and Llama-3.1-8B (32)
-SKINNY_SHAPES = [
-    ("qwen3-0.6b", "qkv_proj", 4096, 1024, 28),
-    ("qwen3-0.6b", "o_proj", 1024, 2048, 28),
-    ("qwen3-0.6b", "gate_up_proj", 6144, 1024, 28),
-    ("qwen3-0.6b", "down_proj", 1024, 3072, 28),
-    ("qwen3-0.6b", "lm_head", 151936, 1024, 1),
-    ("llama-3.1-8b", "qkv_proj", 6144, 4096, 32),
-    ("llama-3.1-8b", "o_proj", 4096, 4096, 32),
-    ("llama-3.1-8b", "gate_up_proj", 28672, 4096, 32),
-    ("llama-3.1-8b", "down_proj", 4096, 14336, 32),
-    ("llama-3.1-8b", "lm_head", 128256, 4096, 1),
-]
-# (block_n, block_k, num_stages); split_k follows from split_k_config
-SKINNY_SWEEP = [(16, 256, 4), (16, 512, 3), (32, 256, 4), (64, 256, 3)]
 
 
 def median_ms(fn: Callable[[], object]) -> float:
@@ -251,44 +227,6 @@ def bench_sdpa_reference(num_reqs: int, length: int, matmul_tflops: float) -> di
     }
 
 
-def bench_skinny_gemm(
-    shape: tuple[str, str, int, int, int],
-    m: int,
-    copy_tbps: float,
-    config: SkinnyGemmConfig | None = None,
-) -> dict:
-    model, gemm, n, k, per_step = shape
-    x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
-    w = torch.randn(n, k, device=DEVICE, dtype=DTYPE)
-    config = config or choose_skinny_config(n, k, w.element_size(), num_sms(w.device))
-    ms = median_ms(lambda: skinny_gemm(x, w, config=config))
-    torch_ms = median_ms(lambda: F.linear(x, w))
-    tbps = (n * k + m * k + m * n) * w.element_size() / ms / 1e9
-    return {
-        "model": model,
-        "gemm": gemm,
-        "m": m,
-        "n": n,
-        "k": k,
-        "per_step": per_step,
-        "config": vars(config),
-        "us": 1000 * ms,
-        "torch_us": 1000 * torch_ms,
-        "tbps": tbps,
-        "pct_of_copy": 100 * tbps / copy_tbps,
-    }
-
-
-def sweep_skinny_gemm(copy_tbps: float) -> list[dict]:
-    sms = num_sms(torch.device(DEVICE))
-    return [
-        bench_skinny_gemm(shape, 1, copy_tbps, split_k_config(shape[2], shape[3], *c, sms))
-        for shape in SKINNY_SHAPES
-        if shape[0] == "qwen3-0.6b"
-        for c in SKINNY_SWEEP
-    ]
-
-
 def bench_ops(copy_tbps: float) -> list[dict]:
     tokens, hidden, inter = 16384, 1024, 3072
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE)
@@ -382,11 +320,6 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
         ),
         ("sdpa_reference", lambda: [bench_sdpa_reference(4, 4096, matmul_tflops)]),
         ("ops", lambda: bench_ops(copy_tbps)),
-        (
-            "skinny_gemm",
-            lambda: [bench_skinny_gemm(s, m, copy_tbps) for s in SKINNY_SHAPES for m in (1, 8)],
-        ),
-        ("skinny_gemm_sweep", lambda: sweep_skinny_gemm(copy_tbps)),
     ]
     unknown = set(only or ()) - {name for name, _ in sections}
     if unknown:
@@ -453,35 +386,7 @@ def summary(result: dict) -> str:
         if rows:
             best = max(rows, key=lambda r: r[key])
             lines.append(f"best {name}: {best['config']} {key}={best[key]:.2f}")
-    return "\n".join(lines + _skinny_lines(result))
-
-
-def _skinny_lines(result: dict) -> list[str]:
-    """Each GEMM against cuBLAS, the totals per decode step, and the best swept config per GEMM."""
-    rows = [r for r in _rows(result, "skinny_gemm") if "us" in r]
-    sweep = [r for r in _rows(result, "skinny_gemm_sweep") if "us" in r]
-    errors = [
-        r for n in ("skinny_gemm", "skinny_gemm_sweep") for r in _rows(result, n) if "us" not in r
-    ]
-    lines = [f"skinny_gemm error {json.dumps(r)}" for r in errors]
-    lines += [
-        f"skinny_gemm {r['model']:12s} {r['gemm']:12s} m={r['m']} {r['us']:7.1f} us "
-        f"(cuBLAS {r['torch_us']:7.1f})  {r['pct_of_copy']:5.1f}% of copy"
-        for r in rows
-    ]
-    totals: dict[tuple[str, int], list[float]] = {}
-    for r in rows:
-        total = totals.setdefault((r["model"], r["m"]), [0.0, 0.0])
-        total[0] += r["per_step"] * r["us"]
-        total[1] += r["per_step"] * r["torch_us"]
-    lines += [
-        f"skinny_gemm per decode step {model} m={m}: {us:.0f} us (cuBLAS {torch_us:.0f} us)"
-        for (model, m), (us, torch_us) in totals.items()
-    ]
-    for gemm in dict.fromkeys(r["gemm"] for r in sweep):
-        best = min((r for r in sweep if r["gemm"] == gemm), key=lambda r: r["us"])
-        lines.append(f"best skinny_gemm_sweep {gemm}: {best['config']} us={best['us']:.1f}")
-    return lines
+    return "\n".join(lines)
 
 
 def main() -> None:

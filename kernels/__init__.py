@@ -13,7 +13,6 @@ from kernels.prefill_attention import paged_prefill_attention
 from kernels.qkv_prep import norm_rope_and_cache
 from kernels.rotary import rotary_embedding
 from kernels.sampling import prepare_logits, row_logprobs, sample_masked
-from kernels.skinny_gemm import skinny_gemm
 
 __all__ = [
     "choose_num_splits",
@@ -31,5 +30,4 @@ __all__ = [
     "sample_masked",
     "silu_and_mul_gemv",
     "silu_and_mul",
-    "skinny_gemm",
 ]
