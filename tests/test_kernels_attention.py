@@ -337,7 +337,7 @@ def test_backend_decode_matches_torch_backend(dtype: torch.dtype) -> None:
 def test_torch_decode_groups_by_length_match_reference() -> None:
     """Unsorted lengths over several groups; two layers share the step's groups, and a new
     step (new metadata) makes new ones."""
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(use_cpu_kernel=False)  # the grouped fallback
     for seq_lens in ([70, 3, 129, 17, 1, 64, 33, 250, 16, 2, 100], [5, 300, 40]):
         query, _, _, kv_cache, meta = make_batch(
             [1] * len(seq_lens), seq_lens, 6, 2, 32, torch.float32

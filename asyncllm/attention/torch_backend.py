@@ -1,7 +1,11 @@
-"""Paged attention in plain torch: the CPU path and the reference for the Triton kernels."""
+"""Paged attention in plain torch: the CPU path and the reference for the Triton kernels.
+
+On CPU, decode rows go to a C++ kernel that reads the KV blocks in place
+(kernels/cpu_decode_attention.py); the torch paths below stay as its fallback and reference."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +14,7 @@ import torch.nn.functional as F
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.models.layers.norm import RMSNorm
 from asyncllm.models.layers.rotary import RotaryEmbedding
+from kernels.cpu_decode_attention import cpu_decode_attention_available, paged_decode_attention_cpu
 
 
 def write_kv_cache(
@@ -100,8 +105,36 @@ def decode_groups(meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]
     return groups
 
 
+def _decode_rows_by_kernel(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    requests: list[int],
+    starts: list[int],
+) -> None:
+    """The one-token requests of a mixed step in one kernel call: their query rows, block
+    tables and lengths gathered into a batch of their own."""
+    device = query.device
+    index = torch.tensor(requests, device=device)
+    rows = torch.tensor([starts[r] for r in requests], device=device)
+    decode_query = query.index_select(0, rows)
+    decode_out = paged_decode_attention_cpu(
+        decode_query,
+        kv_cache,
+        meta.block_tables.index_select(0, index),
+        meta.seq_lens.index_select(0, index),
+        scale,
+        torch.empty_like(decode_query),
+    )
+    out.index_copy_(0, rows, decode_out)
+
+
 class TorchAttentionBackend:
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
+        """use_cpu_kernel=False keeps every step on the torch paths (the reference)."""
+        self.use_cpu_kernel = use_cpu_kernel
         self._groups: tuple[AttentionMetadata, list[DecodeGroup]] | None = None
 
     def prepare_qkv(
@@ -145,14 +178,22 @@ class TorchAttentionBackend:
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        start = 0
+        """Prompt rows one request at a time; decode rows together in the kernel when it runs."""
+        by_kernel = self._kernel_runs(query)
+        starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
+        decodes: list[int] = []
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            start = starts[r]
+            if by_kernel and query_len == 1:
+                decodes.append(r)
+                continue
             k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
             q = query[start : start + query_len].transpose(0, 1)[None]
             mask = None if query_len == 1 else _causal_mask(query_len, seq_len, query.device)
             o = _attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
             out[start : start + query_len] = o[0].transpose(0, 1)
-            start += query_len
+        if decodes:
+            _decode_rows_by_kernel(query, kv_cache, meta, scale, out, decodes, starts)
         return out
 
     def _decode(
@@ -163,8 +204,13 @@ class TorchAttentionBackend:
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """One query per request: each group of requests of similar lengths gathers its block
-        tables at once and masks past each length."""
+        """One query per request: all in one kernel call, or else each group of requests of
+        similar lengths gathers its block tables at once and masks past each length."""
+        if self._kernel_runs(query):
+            n = meta.num_reqs
+            return paged_decode_attention_cpu(
+                query, kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, out
+            )
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = kv_cache.shape[-2]
         for group in self._groups_of(meta, kv_cache.shape[2]):
@@ -179,6 +225,14 @@ class TorchAttentionBackend:
             )
             out.index_copy_(0, group.rows, o.reshape(-1, num_heads, head_dim))
         return out
+
+    def _kernel_runs(self, query: torch.Tensor) -> bool:
+        return (
+            self.use_cpu_kernel
+            and query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.bfloat16)
+            and cpu_decode_attention_available()
+        )
 
     def _groups_of(self, meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
         """The step's decode groups, made once and used by every layer."""
