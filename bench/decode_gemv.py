@@ -2,6 +2,7 @@
 weights (distinct tensors, so nothing stays in L2) in one CUDA graph, replayed.
 
     python bench/decode_gemv.py --out bench/results/decode_gemv_h200.json
+    python bench/decode_gemv.py --shape llama-3.1-8b --out bench/results/decode_gemv_llama8b_h200.json
 
 Sections: each GEMM shape alone for a sweep of GEMV tile configs, against cuBLAS (F.linear);
 then one layer's chain of projections with the norms and activation between them, unfused
@@ -18,6 +19,7 @@ import itertools
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ import triton
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncllm.models.shapes import SHAPES  # noqa: E402
 from kernels import (  # noqa: E402
     fused_add_rms_norm,
     gemv,
@@ -38,21 +41,46 @@ from kernels import (  # noqa: E402
 from kernels.gemv import GemvConfig, choose_gemv_config  # noqa: E402
 
 DTYPE = torch.bfloat16
-# Qwen3-0.6B: 28 layers, hidden 1024, q 2048, q + k + v 4096, intermediate 3072, vocab 151936
-LAYERS, HIDDEN, Q_SIZE, QKV_SIZE, INTER, VOCAB = 28, 1024, 2048, 4096, 3072, 151936
-SHAPES = {  # GEMM: (N, K)
-    "qkv_proj": (QKV_SIZE, HIDDEN),
-    "o_proj": (HIDDEN, Q_SIZE),
-    "gate_up_proj": (2 * INTER, HIDDEN),
-    "down_proj": (HIDDEN, INTER),
-}
 SWEEP = [
     GemvConfig(block_n, block_k, warps)
     for block_n, block_k, warps in itertools.product(
-        (1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096), (4, 8)
+        (1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096, 8192), (4, 8)
     )
     if 1024 <= block_n * block_k <= 16384
 ]
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    q_size: int
+    qkv_size: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: dict) -> Shape:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        q_size = config["num_attention_heads"] * head_dim
+        kv_size = config["num_key_value_heads"] * head_dim
+        return cls(
+            config["num_hidden_layers"],
+            config["hidden_size"],
+            q_size,
+            q_size + 2 * kv_size,
+            config["intermediate_size"],
+            config["vocab_size"],
+        )
+
+    def gemms(self) -> dict[str, tuple[int, int]]:
+        """GEMM: (N, K) of one layer."""
+        return {
+            "qkv_proj": (self.qkv_size, self.hidden),
+            "o_proj": (self.hidden, self.q_size),
+            "gate_up_proj": (2 * self.intermediate, self.hidden),
+            "down_proj": (self.hidden, self.intermediate),
+        }
 
 
 def graph_us(fn: Callable[[], object], replays: int = 50) -> float:
@@ -86,12 +114,12 @@ def rand(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", dtype=DTYPE) * 0.02
 
 
-def sweep_shape(name: str, n: int, k: int, copy: float) -> dict:
-    weights = [rand(n, k) for _ in range(LAYERS)]
+def sweep_gemm(name: str, n: int, k: int, copies: int, copy: float) -> dict:
+    weights = [rand(n, k) for _ in range(copies)]
     x = rand(1, k)
 
     def per_gemm_us(gemm: Callable[[torch.Tensor], object]) -> float:
-        return graph_us(lambda: [gemm(w) for w in weights]) / LAYERS
+        return graph_us(lambda: [gemm(w) for w in weights]) / copies
 
     rows = []
     for config in SWEEP:
@@ -120,14 +148,14 @@ def pct(n: int, k: int, us: float, copy: float) -> float:
     return 100 * n * k * 2 / us / 1e3 / copy
 
 
-def layer_chain() -> dict:
+def layer_chain(shape: Shape) -> dict:
     """One decode layer's projections with what runs between them, for all layers."""
     layers = [
-        {name: rand(n, k) for name, (n, k) in SHAPES.items()}
-        | {"norm1": rand(HIDDEN) + 1, "norm2": rand(HIDDEN) + 1}
-        for _ in range(LAYERS)
+        {name: rand(n, k) for name, (n, k) in shape.gemms().items()}
+        | {"norm1": rand(shape.hidden) + 1, "norm2": rand(shape.hidden) + 1}
+        for _ in range(shape.layers)
     ]
-    x0, attn = rand(1, HIDDEN), rand(1, Q_SIZE)
+    x0, attn = rand(1, shape.hidden), rand(1, shape.q_size)
 
     def unfused(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         x, residual = x0.clone(), x0.clone()
@@ -137,21 +165,38 @@ def layer_chain() -> dict:
             x, residual = fused_add_rms_norm(linear(attn, w["o_proj"]), residual, w["norm2"], 1e-6)
             x = linear(silu_and_mul(linear(x, w["gate_up_proj"])), w["down_proj"])
 
-    def fused() -> None:
+    def fused(prologue_block_n: int | None = None) -> None:
+        """The kernels' own configs, or prologue_block_n rows per program where a norm or
+        activation comes first (each program recomputes it, so more rows share that cost)."""
+
+        def config(name: str) -> GemvConfig | None:
+            n, k = shape.gemms()[name]
+            return prologue_block_n and choose_gemv_config(n, k, block_n=prologue_block_n)
+
         x, residual = x0, x0
         for w in layers:
-            rms_norm_gemv(x, residual, w["norm1"], 1e-6, w["qkv_proj"])
+            qkv = w["qkv_proj"]
+            rms_norm_gemv(x, residual, w["norm1"], 1e-6, qkv, config=config("qkv_proj"))
             gate_up, residual = rms_norm_gemv(
-                gemv(attn, w["o_proj"]), residual, w["norm2"], 1e-6, w["gate_up_proj"]
+                gemv(attn, w["o_proj"]),
+                residual,
+                w["norm2"],
+                1e-6,
+                w["gate_up_proj"],
+                config=config("gate_up_proj"),
             )
-            x = silu_and_mul_gemv(gate_up, w["down_proj"])
+            x = silu_and_mul_gemv(gate_up, w["down_proj"], config=config("down_proj"))
 
-    weight_bytes = sum(n * k * 2 for n, k in SHAPES.values())
+    weight_bytes = sum(n * k * 2 for n, k in shape.gemms().values())
+    per_layer = shape.layers
     return {
         "launches_per_layer": {"unfused": 7, "fused": 4},
-        "unfused_cublas_us_per_layer": graph_us(lambda: unfused(F.linear)) / LAYERS,
-        "unfused_gemv_us_per_layer": graph_us(lambda: unfused(gemv)) / LAYERS,
-        "fused_gemv_us_per_layer": graph_us(fused) / LAYERS,
+        "unfused_cublas_us_per_layer": graph_us(lambda: unfused(F.linear)) / per_layer,
+        "unfused_gemv_us_per_layer": graph_us(lambda: unfused(gemv)) / per_layer,
+        "fused_gemv_us_per_layer": graph_us(fused) / per_layer,
+        "fused_gemv_us_per_layer_by_prologue_block_n": {
+            block_n: graph_us(lambda b=block_n: fused(b)) / per_layer for block_n in (2, 4, 8, 16)
+        },
         "weight_bytes_per_layer": weight_bytes,
         "floor_us_per_layer_at_copy": None,
     }
@@ -159,10 +204,14 @@ def layer_chain() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    shape = Shape.of(SHAPES[args.shape])
     copy = copy_gbps()
-    shapes = dict(SHAPES, lm_head=(VOCAB, HIDDEN))
+    # distinct copies of each weight, as many as layers (lm_head: enough to leave L2 behind)
+    gemms = {name: (n, k, shape.layers) for name, (n, k) in shape.gemms().items()}
+    gemms["lm_head"] = (shape.vocab, shape.hidden, 4)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
@@ -170,8 +219,9 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_gbps": copy,
-        "gemms": [sweep_shape(name, n, k, copy) for name, (n, k) in shapes.items()],
-        "layer_chain": layer_chain(),
+        "shape": args.shape,
+        "gemms": [sweep_gemm(name, n, k, copies, copy) for name, (n, k, copies) in gemms.items()],
+        "layer_chain": layer_chain(shape),
     }
     chain = result["layer_chain"]
     chain["floor_us_per_layer_at_copy"] = chain["weight_bytes_per_layer"] / copy / 1e3
@@ -180,6 +230,7 @@ def main() -> None:
             f"{g['gemm']:13s} chosen {g['chosen']['us']:6.2f} us ({g['chosen']['pct_of_copy']:.0f}%) "
             f"best {g['best']['us']:6.2f} us {g['best']['config']} cuBLAS {g['cublas_us']:6.2f} us"
         )
+    print("fused by prologue block_n", chain["fused_gemv_us_per_layer_by_prologue_block_n"])
     print(
         f"layer: unfused cuBLAS {chain['unfused_cublas_us_per_layer']:.1f} us, unfused GEMV "
         f"{chain['unfused_gemv_us_per_layer']:.1f} us, fused "

@@ -100,12 +100,12 @@ def _gemv_kernel(
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def choose_gemv_config(n: int, k: int) -> GemvConfig:
+def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
     """Two rows of W per program, read along K in tiles of up to 4096 values, 8 warps from 2048:
     the fastest in a sweep of 1-16 rows and 256-4096 values per row on every Qwen3-0.6B GEMM
     but the lm_head (within 1% there), bench/results/decode_gemv_h200.json."""
     block_k = min(next_pow2(k), 4096)
-    return GemvConfig(block_n=2, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
 
 
 def _launch(

@@ -12,8 +12,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import kernels
 from asyncllm.models.layers.activation import silu_and_mul
-from asyncllm.models.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
+from asyncllm.models.layers.linear import (
+    FUSED_MAX_ROW,
+    Linear,
+    rms_norm_linear,
+    silu_and_mul_linear,
+)
 from asyncllm.models.layers.norm import RMSNorm, fused_add_rms_norm, rms_norm
 from kernels import gemv, rms_norm_gemv, silu_and_mul_gemv
 from kernels.gemv import GemvConfig, choose_gemv_config
@@ -130,19 +136,36 @@ def test_gemv_matches_torch_on_model_shapes_in_bf16(n: int, k: int) -> None:
     assert_close(gemv(x, w), linear_reference(x, w, None))
 
 
+def counting(kernel, calls: list[str]):
+    def counted(*args, **kwargs):
+        calls.append(kernel.__name__)
+        return kernel(*args, **kwargs)
+
+    return counted
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("rows", [1, 2])
-def test_layer_helpers_take_the_fused_kernels_for_one_cuda_row(rows: int) -> None:
-    """One row: the fused kernels; two: the unfused ops; both match the torch reference."""
+@pytest.mark.parametrize(
+    "rows, hidden, fused",
+    [(1, 256, True), (2, 256, False), (1, FUSED_MAX_ROW + 128, False)],
+)
+def test_layer_helpers_fuse_only_single_short_cuda_rows(
+    rows: int, hidden: int, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One short row: the fused kernels; more rows or a longer row: the unfused ops; all
+    match the torch reference."""
+    calls: list[str] = []
+    for name in ("rms_norm_gemv", "silu_and_mul_gemv"):
+        monkeypatch.setattr(kernels, name, counting(getattr(kernels, name), calls))
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    norm = RMSNorm(256, 1e-6).to(DEVICE, dtype)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
     norm.weight.data.uniform_(0.5, 1.5)
-    linear = Linear(256, 384, bias=True).to(DEVICE, dtype)
-    down = Linear(192, 256).to(DEVICE, dtype)
-    x = torch.randn(rows, 256, device=DEVICE, dtype=dtype)
+    linear = Linear(hidden, 384, bias=True).to(DEVICE, dtype)
+    down = Linear(hidden, 256).to(DEVICE, dtype)
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
     residual = torch.randn_like(x)
-    gate_up = torch.randn(rows, 384, device=DEVICE, dtype=dtype)
+    gate_up = torch.randn(rows, 2 * hidden, device=DEVICE, dtype=dtype)
     summed = (x.float() + residual.float()).to(dtype)
     normed = rms_norm(summed, norm.weight, 1e-6)
     with torch.inference_mode():
@@ -151,3 +174,4 @@ def test_layer_helpers_take_the_fused_kernels_for_one_cuda_row(rows: int) -> Non
     assert_close(out, linear_reference(normed, linear.weight, linear.bias))
     torch.testing.assert_close(residual_out, summed, rtol=0, atol=0)
     assert_close(activated, linear_reference(silu_and_mul(gate_up), down.weight, down.bias))
+    assert len(calls) == (2 if fused else 0)
