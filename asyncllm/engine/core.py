@@ -13,15 +13,35 @@ from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.request import Request, RequestStatus
 from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
-from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.model_runner import LaunchedModelStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class LaunchedStep:
+    """A scheduled step on its way: either launched by the runner's threads (future), or
+    launched from this thread (model_step, or the error that launching raised). Neither:
+    nothing was scheduled."""
+
     scheduler_output: SchedulerOutput
-    future: concurrent.futures.Future[ModelRunnerOutput] | None  # None: nothing was scheduled
+    future: concurrent.futures.Future[ModelRunnerOutput] | None = None
+    model_step: LaunchedModelStep | Exception | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.future is None and self.model_step is None
+
+    def wait(self) -> ModelRunnerOutput | Exception:
+        """Blocks this thread until the step's outputs are on the host (or it failed)."""
+        try:
+            if self.future is not None:
+                return self.future.result()
+            if isinstance(self.model_step, Exception):
+                return self.model_step
+            return self.model_step.wait()
+        except Exception as e:
+            return e
 
 
 @dataclass
@@ -70,22 +90,26 @@ class EngineCore:
         """Unfinished requests, or a launched step whose outputs are not taken in yet."""
         return self.has_unfinished_requests() or self._in_flight is not None
 
-    def launch_step(self) -> LaunchedStep:
-        """Schedule a step and start it in the runner's thread; the caller goes on meanwhile."""
+    def launch_step(self, in_this_thread: bool = False) -> LaunchedStep:
+        """Schedule a step and start it, in the runner's threads or (on a GPU, where launching
+        returns before the step has run) in this one; the caller goes on meanwhile."""
         scheduler_output = self._schedule()
         if scheduler_output is None:
-            return LaunchedStep(SchedulerOutput(), None)
-        return LaunchedStep(scheduler_output, self.model_runner.execute(scheduler_output))
+            return LaunchedStep(SchedulerOutput())
+        if not in_this_thread:
+            return LaunchedStep(scheduler_output, self.model_runner.execute(scheduler_output))
+        try:
+            return LaunchedStep(
+                scheduler_output, model_step=self.model_runner.launch_model(scheduler_output)
+            )
+        except Exception as e:
+            return LaunchedStep(scheduler_output, model_step=e)
 
     def finish_step(self, launched: LaunchedStep) -> list[EngineCoreOutput]:
         """Wait for a launched step (blocking this thread) and take in its result."""
-        if launched.future is None:
+        if launched.is_empty:
             return []
-        try:
-            result = launched.future.result()
-        except Exception as e:
-            result = e
-        return self._take_result(launched.scheduler_output, result)
+        return self._take_result(launched.scheduler_output, launched.wait())
 
     async def step_async(self) -> list[EngineCoreOutput]:
         """Outputs of one step, awaiting the runner's future so the event loop keeps running.
@@ -101,10 +125,11 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Outputs of one step, blocking this thread. With async scheduling, the step after it
-        is already launched; without, the step runs in this thread (on CPU about 10% faster
-        than in the runner's thread)."""
+        is already launched; either way steps are launched from this thread, as handing each
+        to the runner's threads and back costs thread switches (on CPU the step runs about 10%
+        faster here)."""
         if self.async_scheduling:
-            launched = self._launch_ahead()
+            launched = self._launch_ahead(in_this_thread=True)
             return [] if launched is None else self.finish_step(launched)
         scheduler_output = self._schedule()
         if scheduler_output is None:
@@ -115,11 +140,11 @@ class EngineCore:
             result = e
         return self._take_result(scheduler_output, result)
 
-    def _launch_ahead(self) -> LaunchedStep | None:
+    def _launch_ahead(self, in_this_thread: bool = False) -> LaunchedStep | None:
         """Launches the next step, scheduled while the one before still runs, and returns that
         one (None if there was none)."""
-        previous, launched = self._in_flight, self.launch_step()
-        self._in_flight = launched if launched.future is not None else None
+        previous, launched = self._in_flight, self.launch_step(in_this_thread)
+        self._in_flight = None if launched.is_empty else launched
         return previous
 
     def _schedule(self) -> SchedulerOutput | None:
