@@ -8,7 +8,8 @@ Sections: each GEMM shape alone for a sweep of GEMV tile configs, against cuBLAS
 then one layer's chain of projections with the norms and activation between them, unfused
 (separate norm, GEMM and activation launches; cuBLAS or GEMV GEMMs) against the fused GEMV
 kernels.
-GB/s counts the weight bytes, against a copy measured in the same run.
+GB/s counts the weight bytes read, against the bytes read + written per second by a copy in the
+same run (the convention of bench/throughput.py's floor: weights read once at copy bandwidth).
 """
 
 from __future__ import annotations
@@ -104,10 +105,20 @@ def graph_us(fn: Callable[[], object], replays: int = 50) -> float:
     return 1000 * start.elapsed_time(end) / replays
 
 
-def copy_gbps() -> float:
+def copy_gbps(copies: int = 20) -> float:
+    """Bytes read + written per second by eager device-to-device copies, as bench/throughput.py
+    measures the floor's bandwidth (captured in a graph, the copy becomes a memcpy node that
+    ran at two thirds of that)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / graph_us(lambda: dst.copy_(src), replays=20) / 1e3
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(copies):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * copies / start.elapsed_time(end) / 1e6
 
 
 def rand(*shape: int) -> torch.Tensor:

@@ -102,8 +102,9 @@ def _gemv_kernel(
 
 def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
     """Two rows of W per program, read along K in tiles of up to 4096 values, 8 warps from 2048:
-    the fastest in a sweep of 1-16 rows and 256-4096 values per row on every Qwen3-0.6B GEMM
-    but the lm_head (within 1% there), bench/results/decode_gemv_h200.json."""
+    in a sweep of 1-16 rows and 256-8192 values per row, within 1% of the fastest on every
+    Qwen3-0.6B GEMM and within 4% on Llama-3.1-8B's (bench/results/decode_gemv_h200.json,
+    decode_gemv_llama8b_h200.json)."""
     block_k = min(next_pow2(k), 4096)
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
 

@@ -27,8 +27,8 @@ _ROWS_HINT = 32
 
 # Every GEMV program re-reads and recomputes the whole normalised or activated input row, which
 # pays for the launches it saves on small rows only: per layer, fused against unfused GEMVs,
-# Qwen3-0.6B (rows of 1024 and 3072) 19.5 against 21.6 us, Llama-3.1-8B (4096 and 14336) 142.5
-# against 114.4 us (bench/results/decode_gemv_h200.json, decode_gemv_llama8b_h200.json).
+# Qwen3-0.6B (rows of 1024 and 3072) 19.4 against 21.4 us, Llama-3.1-8B (4096 and 14336) 143.3
+# against 115.4 us (bench/results/decode_gemv_h200.json, decode_gemv_llama8b_h200.json).
 FUSED_MAX_ROW = 3072
 
 
