@@ -1,10 +1,10 @@
 """Linear layers: one-row GEMV kernels for batch-1 decode on CUDA (with the RMSNorm or
 SiLU-and-mul before the GEMM fused in), and oneDNN-packed weights for fp32 on CPU.
 
-At batch 1 on an H200, cuBLAS spends 0.89 ms of a 1.28 ms Qwen3-0.6B decode step reading its
-1.2 GB of weights, a third of copy bandwidth (bench/results/profile_decode_qwen3_h200.json),
-and the norms and activation between the GEMMs are launches of their own: kernels.gemv reads
-the weights over enough programs to fill the SMs, one launch per projection.
+At batch 1 on an H200, cuBLAS reads a one-row GEMM's weights at a fraction of the copy
+bandwidth, and the norms and activation between the GEMMs are launches of their own: a
+Qwen3-0.6B layer's projections took 36.5 us that way, 19.4 us as kernels.gemv's fused launches
+(bench/results/decode_gemv_h200.json).
 
 On this project's CPUs oneDNN runs the model's skinny fp32 GEMMs 1.5-4x faster than F.linear
 once the weight is stored in oneDNN's own layout (measured: 32 x 576 x 49152 in 5.1 ms instead
