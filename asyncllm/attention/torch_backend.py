@@ -6,7 +6,9 @@ On CPU, decode rows go to a C++ kernel that reads the KV blocks in place
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,8 @@ from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.models.layers.norm import RMSNorm
 from asyncllm.models.layers.rotary import RotaryEmbedding
 from kernels.cpu_decode_attention import cpu_decode_attention_available, paged_decode_attention_cpu
+
+T = TypeVar("T")
 
 
 def write_kv_cache(
@@ -105,37 +109,36 @@ def decode_groups(meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]
     return groups
 
 
-def _decode_rows_by_kernel(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    out: torch.Tensor,
-    requests: list[int],
-    starts: list[int],
-) -> None:
-    """The one-token requests of a mixed step in one kernel call: their query rows, block
-    tables and lengths gathered into a batch of their own."""
-    device = query.device
-    index = torch.tensor(requests, device=device)
-    rows = torch.tensor([starts[r] for r in requests], device=device)
-    decode_query = query.index_select(0, rows)
-    decode_out = paged_decode_attention_cpu(
-        decode_query,
-        kv_cache,
-        meta.block_tables.index_select(0, index),
-        meta.seq_lens.index_select(0, index),
-        scale,
-        torch.empty_like(decode_query),
+@dataclass
+class DecodeRows:
+    """The one-token requests of a mixed step, as a decode batch of their own."""
+
+    requests: set[int]
+    rows: torch.Tensor  # int64: their query rows
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def decode_rows(meta: AttentionMetadata) -> DecodeRows:
+    requests = [r for r, n in enumerate(meta.query_lens_cpu) if n == 1]
+    starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
+    device = meta.block_tables.device
+    index = torch.tensor(requests, dtype=torch.int64, device=device)
+    return DecodeRows(
+        requests=set(requests),
+        rows=torch.tensor([starts[r] for r in requests], dtype=torch.int64, device=device),
+        block_tables=meta.block_tables.index_select(0, index),
+        seq_lens=meta.seq_lens.index_select(0, index),
     )
-    out.index_copy_(0, rows, decode_out)
 
 
 class TorchAttentionBackend:
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         """use_cpu_kernel=False keeps every step on the torch paths (the reference)."""
         self.use_cpu_kernel = use_cpu_kernel
-        self._groups: tuple[AttentionMetadata, list[DecodeGroup]] | None = None
+        # what a step's metadata implies, made by its first layer and used by every layer
+        self._step_meta: AttentionMetadata | None = None
+        self._step_cache: dict[str, Any] = {}
 
     def prepare_qkv(
         self,
@@ -179,21 +182,29 @@ class TorchAttentionBackend:
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Prompt rows one request at a time; decode rows together in the kernel when it runs."""
-        by_kernel = self._kernel_runs(query)
-        starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
-        decodes: list[int] = []
+        decodes = (
+            self._per_step(meta, "decode_rows", decode_rows) if self._kernel_runs(query) else None
+        )
+        start = 0
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            start = starts[r]
-            if by_kernel and query_len == 1:
-                decodes.append(r)
-                continue
-            k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
-            q = query[start : start + query_len].transpose(0, 1)[None]
-            mask = None if query_len == 1 else _causal_mask(query_len, seq_len, query.device)
-            o = _attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
-            out[start : start + query_len] = o[0].transpose(0, 1)
-        if decodes:
-            _decode_rows_by_kernel(query, kv_cache, meta, scale, out, decodes, starts)
+            if decodes is None or r not in decodes.requests:
+                k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
+                q = query[start : start + query_len].transpose(0, 1)[None]
+                mask = None if query_len == 1 else _causal_mask(query_len, seq_len, query.device)
+                o = _attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
+                out[start : start + query_len] = o[0].transpose(0, 1)
+            start += query_len
+        if decodes is not None and decodes.requests:
+            decode_query = query.index_select(0, decodes.rows)
+            decode_out = paged_decode_attention_cpu(
+                decode_query,
+                kv_cache,
+                decodes.block_tables,
+                decodes.seq_lens,
+                scale,
+                torch.empty_like(decode_query),
+            )
+            out.index_copy_(0, decodes.rows, decode_out)
         return out
 
     def _decode(
@@ -213,7 +224,8 @@ class TorchAttentionBackend:
             )
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = kv_cache.shape[-2]
-        for group in self._groups_of(meta, kv_cache.shape[2]):
+        block_size = kv_cache.shape[2]
+        for group in self._per_step(meta, "groups", lambda m: decode_groups(m, block_size)):
             keys, values = gather_blocks(kv_cache, group.block_tables)
             keys = keys.flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
             values = values.flatten(1, 2).transpose(1, 2)
@@ -234,8 +246,12 @@ class TorchAttentionBackend:
             and cpu_decode_attention_available()
         )
 
-    def _groups_of(self, meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
-        """The step's decode groups, made once and used by every layer."""
-        if self._groups is None or self._groups[0] is not meta:
-            self._groups = meta, decode_groups(meta, block_size)
-        return self._groups[1]
+    def _per_step(
+        self, meta: AttentionMetadata, name: str, make: Callable[[AttentionMetadata], T]
+    ) -> T:
+        """make(meta), once per step (a new metadata object) however many layers ask."""
+        if self._step_meta is not meta:
+            self._step_meta, self._step_cache = meta, {}
+        if name not in self._step_cache:
+            self._step_cache[name] = make(meta)
+        return self._step_cache[name]
