@@ -4,7 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from asyncllm.models.layers.linear import PackedLinear, pack_linear_layers, padded_rows
+from asyncllm.models.layers.linear import (
+    PackedLinear,
+    pack_linear_layers,
+    padded_rows,
+    warm_up_packed_linears,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -33,3 +38,33 @@ def test_row_counts_are_padded_to_a_few_sizes_by_at_most_an_eighth() -> None:
     assert len(sizes) <= 8 * 14
     for rows in range(1, 8193):
         assert rows <= padded_rows(rows) <= rows * 9 / 8
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 12) for _ in range(3))
+        self.down = nn.Linear(12, 8, bias=False)
+        self.lm_head = nn.Linear(8, 12)  # the shape of the layers, but fewer rows
+
+
+def test_warm_up_runs_each_shape_once_at_every_padded_row_count(monkeypatch) -> None:
+    model = Head()
+    pack_linear_layers(model)
+    calls: list[tuple[int, int, int]] = []
+    original = PackedLinear.forward
+
+    def recording(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        calls.append((self.in_features, self.out_features, x.shape[0]))
+        return original(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", recording)
+    warm_up_packed_linears(model, max_rows=300, max_head_rows=40)
+
+    def sizes(limit: int) -> list[int]:
+        return sorted({padded_rows(rows) for rows in range(1, limit + 1)})
+
+    expected = [(8, 12, n) for n in sizes(300)] + [(12, 8, n) for n in sizes(300)]
+    expected += [(8, 12, n) for n in sizes(40)]  # the lm_head: its own, smaller limit
+    assert sorted(calls) == sorted(expected)
+    assert max(n for _, _, n in calls) == padded_rows(300) >= 300

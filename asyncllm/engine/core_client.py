@@ -26,6 +26,7 @@ from asyncllm.engine.core_process import (
     Ready,
     Shutdown,
 )
+from asyncllm.engine.heap import release_freed_memory
 from asyncllm.request import Request, RequestStatus
 
 
@@ -69,6 +70,7 @@ class LocalCoreClient:
                 # with async scheduling, the step after it is already launched
                 return CoreStep(await self.core.step_async())
             self._wake.clear()
+            release_freed_memory()
             await self._wake.wait()
 
     def stats(self) -> EngineStats:

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore, EngineCoreOutput
+from asyncllm.engine.heap import release_freed_memory
 from asyncllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,11 @@ class CoreLoop:
 
     def run(self, messages: queue.Queue) -> None:
         while True:
-            if not self.core.has_work() and not self._apply(messages.get()):
-                return  # idle until a message comes
+            if not self.core.has_work():
+                if messages.empty():
+                    release_freed_memory()
+                if not self._apply(messages.get()):
+                    return  # idle until a message comes
             while not messages.empty():
                 if not self._apply(messages.get_nowait()):
                     return

@@ -22,6 +22,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.models.layers.linear import warm_up_packed_linears
 from asyncllm.models.loader import load_model
 from asyncllm.sample.logprobs import (
     LogprobsTensors,
@@ -112,11 +113,12 @@ class ModelRunner:
         self.model = load_model(
             config.model, make_attention_backend(config.model.attention_backend)
         )
+        scheduler = config.scheduler
+        warm_up_packed_linears(self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
         self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
-        scheduler = config.scheduler
         self.input_batch = InputBatch(
             max_num_reqs=scheduler.max_num_seqs,
             max_num_tokens=scheduler.max_num_batched_tokens,

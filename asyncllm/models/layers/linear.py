@@ -70,7 +70,7 @@ def silu_and_mul_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.out_features = linear.out_features
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT))
         bias = linear.bias.detach() if linear.bias is not None else None
@@ -92,6 +92,26 @@ def padded_rows(rows: int) -> int:
     """rows rounded up to a multiple of 2^(bit_length - 4): 8 sizes per power of two."""
     step = 1 << max(0, rows.bit_length() - 4)
     return -(-rows // step) * step
+
+
+@torch.inference_mode()
+def warm_up_packed_linears(model: nn.Module, max_rows: int, max_head_rows: int) -> None:
+    """Run each PackedLinear shape once at every padded row count it can meet (the lm_head
+    sees one row per request sampled). oneDNN builds a kernel per shape and row count and keeps
+    it, about 0.6 MiB and 0.7 ms each on SmolLM2's shapes: built here, that memory is all taken
+    at start-up instead of growing with each new batch size a server meets, and no step waits
+    for a build. It adds about 1.4 s to SmolLM2's start-up on this project's CPU."""
+    warmed = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, PackedLinear):
+            continue
+        limit = max_head_rows if name == "lm_head" else max_rows
+        shape = (module.in_features, module.out_features, module.bias is not None, limit)
+        if shape in warmed:
+            continue
+        warmed.add(shape)
+        for rows in sorted({padded_rows(r) for r in range(1, limit + 1)}):
+            module(torch.zeros(rows, module.in_features))
 
 
 def pack_linear_layers(model: nn.Module) -> None:
