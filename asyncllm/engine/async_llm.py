@@ -15,6 +15,7 @@ from asyncllm.engine.core_client import CoreClient, CoreProcessClient, LocalCore
 from asyncllm.engine.core_process import EngineStats
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.output_processor import RequestOutputCollector, child_request_id
+from asyncllm.engine.prompt_tokenizer import PromptTokenizer
 from asyncllm.outputs import RequestOutput
 from asyncllm.request import RequestStatus
 from asyncllm.sampling_params import SamplingParams
@@ -34,6 +35,8 @@ class AsyncLLM:
             core if isinstance(core, CoreProcessClient) else LocalCoreClient(core)
         )
         self.collectors: dict[str, RequestOutputCollector] = {}
+        tokenizer = engine.tokenizer
+        self.prompt_tokenizer = PromptTokenizer(tokenizer) if tokenizer is not None else None
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
 
@@ -61,12 +64,21 @@ class AsyncLLM:
         self._check_alive()
         if request_id in self.collectors:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        request, text = self.engine.input_processor.process(
-            request_id, prompt, sampling_params, priority, add_special_tokens
-        )
         collector = RequestOutputCollector(sampling_params.output_kind)
-        add_request(self.engine, request, text, collector, self.client)
-        self.collectors[request_id] = collector
+        self.collectors[request_id] = collector  # holds the id while the prompt is tokenized
+        try:
+            prompt = await self._with_token_ids(prompt, add_special_tokens)
+            self._check_alive()
+            if self.collectors.get(request_id) is not collector:
+                return  # aborted while its prompt was tokenized
+            request, text = self.engine.input_processor.process(
+                request_id, prompt, sampling_params, priority, add_special_tokens
+            )
+            add_request(self.engine, request, text, collector, self.client)
+        except BaseException:
+            if self.collectors.get(request_id) is collector:
+                del self.collectors[request_id]
+            raise
         self._ensure_engine_task()
         finished = False
         try:
@@ -78,6 +90,14 @@ class AsyncLLM:
             self.collectors.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _with_token_ids(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:
+        """A text prompt with its token ids, from the tokenizer's thread."""
+        text = self.engine.input_processor.prompt_text(prompt)
+        if text is None:
+            return prompt
+        token_ids = await self.prompt_tokenizer.encode(text, add_special_tokens)
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its parallel samples); its blocks are freed before the next step."""
@@ -104,6 +124,8 @@ class AsyncLLM:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self.prompt_tokenizer is not None:
+            self.prompt_tokenizer.shutdown()
         self.client.shutdown()
 
     def _check_alive(self) -> None:

@@ -68,16 +68,23 @@ class InputProcessor:
         except Exception as e:  # jinja errors from a malformed conversation
             raise ValueError(f"messages: cannot apply the chat template: {e}") from e
 
-    def _tokenize(
-        self, prompt: PromptType, add_special_tokens: bool
-    ) -> tuple[str | None, list[int]]:
+    def prompt_text(self, prompt: PromptType) -> str | None:
+        """The text to tokenize, or None for a prompt that brings its token ids."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return None
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
             raise ValueError("prompt must be a string or {'prompt_token_ids': [...]}.")
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids.")
+        return text
+
+    def _tokenize(
+        self, prompt: PromptType, add_special_tokens: bool
+    ) -> tuple[str | None, list[int]]:
+        text = self.prompt_text(prompt)
+        if text is None:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:

@@ -227,13 +227,10 @@ class OpenAIRoutes:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         prompt, messages, add_special_tokens = protocol.parse_tokenize(await read_json(request))
-        tokenizer = self._require_tokenizer()
+        self._require_tokenizer()
         if messages is not None:
             prompt = self.engine.engine.input_processor.apply_chat_template(messages)
-        loop = asyncio.get_running_loop()
-        tokens = await loop.run_in_executor(
-            None, lambda: tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        )
+        tokens = await self.engine.prompt_tokenizer.encode(prompt, add_special_tokens)
         max_model_len = self.engine.engine.config.model.max_model_len
         return json_response(
             {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
