@@ -4,6 +4,7 @@ import asyncio
 import time
 
 import pytest
+from test_event_loop_support import ticking_while
 
 from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 
@@ -78,21 +79,8 @@ async def test_event_loop_stays_responsive_while_the_model_computes(engine, monk
         return real_execute(scheduler_output)
 
     monkeypatch.setattr(runner, "launch_model", slow_execute)
-    gaps: list[float] = []
-    done = asyncio.Event()
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while not done.is_set():
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    tick_task = asyncio.create_task(ticker())
-    await collect(engine, "hi", SamplingParams(max_tokens=3, ignore_eos=True), "slow")
-    done.set()
-    await tick_task
+    slow = collect(engine, "hi", SamplingParams(max_tokens=3, ignore_eos=True), "slow")
+    _, gaps = await ticking_while(slow, 0.01)
     assert sum(gaps) >= 0.9  # three steps of 300 ms ran while the ticker was alive
     assert max(gaps) < 0.1
 
