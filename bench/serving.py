@@ -259,11 +259,37 @@ async def benchmark(args: argparse.Namespace, workload: list[SampleRequest]) -> 
                 sys.exit(f"the warm-up request failed: {result.error}")
         times = arrival_times(len(workload), args.request_rate, args.seed)
         print(f"sending {len(workload)} requests: {describe_traffic(args)}", file=sys.stderr)
+        cpu_before = await server_cpu_seconds(session, server)
         results, duration = await run_load(
             session, server, workload, times, args.max_concurrency, not args.disable_tqdm
         )
+        cpu_after = await server_cpu_seconds(session, server)
     described = {k: getattr(server, k) for k in ("base_url", "model", "version", "max_model_len")}
-    return {"server": described} | summarize(results, duration)
+    summary = summarize(results, duration)
+    if cpu_before is not None and cpu_after is not None:
+        summary |= server_cpu(cpu_after - cpu_before, results)
+    return {"server": described} | summary
+
+
+async def server_cpu_seconds(session: aiohttp.ClientSession, server: Server) -> float | None:
+    """The server process's CPU time from its /metrics (None where it does not report it).
+    With the engine core in a process of its own, this is the front end's alone."""
+    async with session.get(server.base_url + "/metrics", headers=server.headers) as response:
+        if response.status != 200:
+            return None
+        for line in (await response.text()).splitlines():
+            if line.startswith("process_cpu_seconds_total "):
+                return float(line.split()[1])
+    return None
+
+
+def server_cpu(seconds: float, results: list[RequestResult]) -> dict:
+    done = [r for r in results if r.success]
+    chunks = sum(r.chunks for r in done)
+    return {
+        "server_cpu_s": seconds,
+        "server_cpu_us_per_chunk": 1e6 * seconds / chunks if chunks else None,
+    }
 
 
 def check_fits(workload: list[SampleRequest], max_model_len: int | None) -> None:

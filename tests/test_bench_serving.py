@@ -49,6 +49,7 @@ def assert_sane(result: dict, num_prompts: int) -> None:
     expected = result["total_output_tokens"] / result["duration_s"]
     assert result["output_throughput"] == pytest.approx(expected)
     assert result["server"]["model"] == "tiny" and result["server"]["version"]
+    assert result["server_cpu_s"] > 0 and result["server_cpu_us_per_chunk"] > 0
 
 
 # -- generators ---------------------------------------------------------------------------------

@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -66,6 +72,7 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(engine, model_name))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and the like
         labels = {"labelnames": ["model_name"], "registry": self.registry}
 
         def counter(name: str, doc: str) -> Counter:
