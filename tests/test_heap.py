@@ -2,12 +2,15 @@
 
 import asyncio
 import os
+import queue
+import threading
 
 import pytest
 from test_reliability_support import rss_kib
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
-from asyncllm.engine import core_client
+from asyncllm.engine import core_client, core_process
+from asyncllm.engine.core_process import CoreLoop, Shutdown
 from asyncllm.engine.heap import _malloc_trim, release_freed_memory
 
 
@@ -35,3 +38,21 @@ async def test_the_engine_releases_memory_each_time_it_goes_idle(tiny_model_dir,
             assert len(releases) == round_
     finally:
         await engine.shutdown()
+
+
+class IdleCore:
+    def has_work(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("message_waiting", [False, True])
+def test_the_core_process_releases_memory_only_when_it_waits(monkeypatch, message_waiting):
+    releases = []
+    monkeypatch.setattr(core_process, "release_freed_memory", lambda: releases.append(1))
+    messages: queue.Queue = queue.Queue()
+    if message_waiting:
+        messages.put(Shutdown())
+    else:
+        threading.Timer(0.05, messages.put, [Shutdown()]).start()
+    CoreLoop(IdleCore(), outbox=None).run(messages)
+    assert len(releases) == (0 if message_waiting else 1)
