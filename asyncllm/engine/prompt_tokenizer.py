@@ -3,8 +3,8 @@
 Encoding a 600-token prompt takes about 1 ms here, so a burst of 256 prompts tokenized in the
 event loop held it (and every stream it serves) for a quarter of a second. Here the prompts go
 to one thread, and those that arrive while it works are encoded together in one batch call,
-which the Rust tokenizer spreads over the cores (it releases the GIL). One thread, so the
-tokenizer's settings are never touched by two threads at once.
+which the Rust tokenizer spreads over the cores (it releases the GIL): one thread is enough,
+and the requests reach the engine in the order they came.
 """
 
 from __future__ import annotations
