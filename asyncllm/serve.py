@@ -17,6 +17,7 @@ from aiohttp import web
 
 from asyncllm.config import EngineArgs
 from asyncllm.engine.async_llm import AsyncLLM
+from asyncllm.engine.heap import freeze_startup_objects
 from asyncllm.server.app import STATE, AccessLogger, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
 
@@ -113,6 +114,7 @@ async def serve(namespace: argparse.Namespace) -> None:
     logger.info("loading the model: %s", engine_args.model or "the default model")
     engine = await loop.run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
     app = build_app(engine, server_args)
+    freeze_startup_objects()
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler: abort

@@ -1,17 +1,19 @@
 """Freed heap memory goes back to the OS when the engine goes idle."""
 
 import asyncio
+import gc
 import os
 import queue
 import threading
+from types import SimpleNamespace
 
 import pytest
 from test_reliability_support import rss_kib
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.engine import core_client, core_process
-from asyncllm.engine.core_process import CoreLoop, Shutdown
-from asyncllm.engine.heap import _malloc_trim, release_freed_memory
+from asyncllm.engine.core_process import CoreLoop, Ready, Shutdown, run_core_process
+from asyncllm.engine.heap import _malloc_trim, freeze_startup_objects, release_freed_memory
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="needs glibc's malloc_trim")
@@ -56,3 +58,44 @@ def test_the_core_process_releases_memory_only_when_it_waits(monkeypatch, messag
         threading.Timer(0.05, messages.put, [Shutdown()]).start()
     CoreLoop(IdleCore(), outbox=None).run(messages)
     assert len(releases) == (0 if message_waiting else 1)
+
+
+def test_freezing_takes_what_is_alive_out_of_later_collections() -> None:
+    try:
+        freeze_startup_objects()
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # pytest, torch, transformers and this suite's modules
+        assert len(gc.get_objects()) < frozen / 10  # what a collection still walks
+    finally:
+        gc.unfreeze()
+
+
+class FakePipe:
+    def __init__(self, sent: list[str]) -> None:
+        self.sent = sent
+
+    def recv(self):
+        return SimpleNamespace(create_engine_config=lambda: None)
+
+    def send(self, message) -> None:
+        self.sent.append(type(message).__name__)
+
+
+class FakeCore:
+    kv_cache_manager = SimpleNamespace(num_blocks=8, block_size=16)
+
+    def __init__(self, config) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_core_process_freezes_its_startup_objects_before_it_reports_ready(monkeypatch):
+    events: list[str] = []
+    monkeypatch.setattr(core_process, "EngineCore", FakeCore)
+    monkeypatch.setattr(core_process, "freeze_startup_objects", lambda: events.append("freeze"))
+    monkeypatch.setattr(core_process, "_receive_in_thread", lambda inbox: None)
+    monkeypatch.setattr(core_process.CoreLoop, "run", lambda self, messages: None)
+    run_core_process(FakePipe(events), FakePipe(events))
+    assert events == ["freeze", Ready.__name__]

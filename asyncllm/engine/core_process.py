@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore, EngineCoreOutput
-from asyncllm.engine.heap import release_freed_memory
+from asyncllm.engine.heap import freeze_startup_objects, release_freed_memory
 from asyncllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ def run_core_process(inbox: Connection, outbox: Connection) -> None:
     except BaseException as e:
         outbox.send(Failed(f"{type(e).__name__}: {e}"))
         return
+    freeze_startup_objects()
     manager = core.kv_cache_manager
     outbox.send(Ready(manager.num_blocks, manager.block_size))
     try:
