@@ -176,6 +176,7 @@ async def test_sigterm_lets_50_live_streams_finish_and_exits_0(tiny_model_dir, t
     for stream in events:
         assert stream[-1] == "[DONE]"
         assert stream[-2]["choices"][0]["finish_reason"] == "length"
+    assert "leaked" not in server.log_path.read_text()  # frozen start-up objects thawed at exit
 
 
 async def test_sigterm_past_the_timeout_ends_streams_with_an_error(tiny_model_dir, tmp_path) -> None:  # fmt: skip

@@ -13,6 +13,7 @@ model); under load three full collections paused its event loop for up to 256 ms
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import gc
@@ -35,6 +36,9 @@ def release_freed_memory() -> None:
 
 
 def freeze_startup_objects() -> None:
-    """Call once start-up is done: what is alive now stays, and later collections skip it."""
+    """Call once start-up is done: what is alive now stays, and later collections skip it.
+    They are thawed at exit, so that the interpreter's last collection still finalizes them
+    (frozen, triton's extension objects report themselves leaked)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
