@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from asyncllm.models.layers.linear import (
+    WARM_UP_MAX_ROWS,
     PackedLinear,
     pack_linear_layers,
     padded_rows,
@@ -68,3 +69,12 @@ def test_warm_up_runs_each_shape_once_at_every_padded_row_count(monkeypatch) -> 
     expected += [(8, 12, n) for n in sizes(40)]  # the lm_head: its own, smaller limit
     assert sorted(calls) == sorted(expected)
     assert max(n for _, _, n in calls) == padded_rows(300) >= 300
+
+
+def test_warm_up_stops_at_its_row_limit(monkeypatch) -> None:
+    model = Head()
+    pack_linear_layers(model)
+    rows: list[int] = []
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: rows.append(x.shape[0]))
+    warm_up_packed_linears(model, max_rows=3 * WARM_UP_MAX_ROWS, max_head_rows=8)
+    assert max(rows) == WARM_UP_MAX_ROWS

@@ -94,18 +94,24 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+# Row counts past this are left to be built when first met: such a GEMM takes far longer than
+# its build (0.7 ms), a server meets few of their sizes, and warming them too took SmolLM2's
+# start-up from 4.6 to 5.7 s at a budget of 8,192 tokens (more with larger budgets).
+WARM_UP_MAX_ROWS = 2048
+
+
 @torch.inference_mode()
 def warm_up_packed_linears(model: nn.Module, max_rows: int, max_head_rows: int) -> None:
-    """Run each PackedLinear shape once at every padded row count it can meet (the lm_head
-    sees one row per request sampled). oneDNN builds a kernel per shape and row count and keeps
-    it, about 0.6 MiB and 0.7 ms each on SmolLM2's shapes: built here, that memory is all taken
-    at start-up instead of growing with each new batch size a server meets, and no step waits
-    for a build. It adds about 1.4 s to SmolLM2's start-up on this project's CPU."""
+    """Run each PackedLinear shape once at every padded row count it can meet, up to
+    WARM_UP_MAX_ROWS (the lm_head sees one row per request sampled). oneDNN builds a kernel per
+    shape and row count and keeps it, about 0.6 MiB and 0.7 ms each on SmolLM2's shapes: built
+    here, that memory is taken at start-up instead of growing with each new batch size a server
+    meets, and no step waits for a build. It adds about 1.4 s to SmolLM2's start-up here."""
     warmed = set()
     for name, module in model.named_modules():
         if not isinstance(module, PackedLinear):
             continue
-        limit = max_head_rows if name == "lm_head" else max_rows
+        limit = min(max_head_rows if name == "lm_head" else max_rows, WARM_UP_MAX_ROWS)
         shape = (module.in_features, module.out_features, module.bias is not None, limit)
         if shape in warmed:
             continue
