@@ -334,6 +334,7 @@ async def test_metrics_use_vllm_names(server) -> None:
         assert f"asyncllm:{name}" in values, name
     assert values["asyncllm:generation_tokens_total"] >= 3
     assert values["process_cpu_seconds_total"] > 0  # the server process's own, as vLLM's
+    assert "python_gc_collections_total" in values and "python_info" in values
     assert values["asyncllm:time_to_first_token_seconds_count"] >= 1
 
 

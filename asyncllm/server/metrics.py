@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
+    PlatformCollector,
     ProcessCollector,
     generate_latest,
 )
@@ -72,7 +74,10 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(engine, model_name))
-        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and the like
+        # what prometheus_client's default registry adds, as vLLM's /metrics has it: the
+        # process's CPU time and memory, the Python GC's collections, the Python version
+        for collector in (ProcessCollector, GCCollector, PlatformCollector):
+            collector(registry=self.registry)
         labels = {"labelnames": ["model_name"], "registry": self.registry}
 
         def counter(name: str, doc: str) -> Counter:
