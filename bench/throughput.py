@@ -15,6 +15,7 @@ import argparse
 import collections
 import datetime
 import json
+import os
 import platform
 import random
 import sys
@@ -336,7 +337,10 @@ def main() -> None:
     result = {
         "benchmark": "throughput",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(
+            [*(f"{k}={v}" for k, v in os.environ.items() if k.startswith("ASYNCLLM_")), "python"]
+            + sys.argv
+        ),
         "device": torch.cuda.get_device_name()
         if device.type == "cuda"
         else f"cpu ({platform.machine()})",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,16 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def uses_pdl(device: torch.device) -> bool:
+    """Whether kernels on device launch with programmatic dependent launch (Hopper and later):
+    a kernel then starts while the one before it finishes, and waits for it (gdc_wait) only
+    where it first reads that kernel's output. ASYNCLLM_PDL=0 turns it off (for A/B runs)."""
+    if device.type != "cuda" or os.environ.get("ASYNCLLM_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def next_pow2(n: int) -> int:

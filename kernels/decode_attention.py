@@ -1,4 +1,8 @@
-"""Paged attention for decode: one query token per request, GQA-aware, optionally split-K."""
+"""Paged attention for decode: one query token per request, GQA-aware, optionally split-K.
+
+With programmatic dependent launch (Hopper), the split-K reduce starts while the attention
+kernel runs and waits for it before reading the partial results, and the kernel after the
+reduce (the output projection's GEMV) may start loading its weights meanwhile."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import AttentionConfig, dot_precision, next_pow2, num_sms
+from kernels._common import AttentionConfig, dot_precision, next_pow2, num_sms, uses_pdl
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -42,8 +46,11 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing one KV head, over one split of a sequence's keys."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,8 +130,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Merge one head's per-split (max, sum, unnormalised output) into the final output row."""
+    if USE_PDL:  # launched early: the partial results are the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -211,6 +222,7 @@ def paged_decode_attention(
     else:
         part_out = part_max = part_sum = out
     block_d = next_pow2(head_dim)
+    pdl = uses_pdl(query.device)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         query,
         kv_cache[0],
@@ -237,6 +249,7 @@ def paged_decode_attention(
         TILE_N=config.block_n,
         SPLIT=split,
         PRECISION=dot_precision(query.dtype),
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -253,6 +266,8 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=next_pow2(num_splits),
+            USE_PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out

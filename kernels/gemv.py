@@ -6,6 +6,10 @@ only short rows, see FUSED_MAX_ROW in asyncllm/models/layers/linear.py). x is a 
 few KB, so every program recomputes f on the slice of it that it needs, from L2, next to its
 slice of W. Each program owns two rows of W and reads them whole along K: even 1024-row weights
 give every SM a few programs, so K is never split.
+
+On Hopper the kernels launch with programmatic dependent launch: a GEMV starts while the kernel
+before it finishes, loads its first tile of W (which no kernel writes), and only then waits
+for the kernel before it to read x.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2
+from kernels._common import next_pow2, uses_pdl
 
 # what runs on x before the GEMM (constexpr, so the kernel may read them)
 NO_PROLOGUE = tl.constexpr(0)
@@ -42,6 +46,12 @@ def _summed_row(x_ptr, residual_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_ptr, rows, row_mask, cols, K):
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     residual_ptr,
@@ -58,6 +68,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[n] = sum_k f(x)[k] * w[n, k] (+ bias[n]); f's input dtype rounding as unfused."""
     pid = tl.program_id(0)
@@ -65,6 +76,10 @@ def _gemv_kernel(
     row_mask = rows < N
     k = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
+    w = _w_tile(w_ptr, rows, row_mask, k, K)  # the next tile is loaded a step ahead
+    if USE_PDL:  # the next kernel may start loading its weights; x is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     rstd = 1.0
     if PROLOGUE == RMS_NORM:  # the row's scale first; program 0 stores x + residual
         squares = tl.zeros([BLOCK_K], tl.float32)
@@ -80,11 +95,6 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + k
         mask = cols < K
-        w = tl.load(
-            w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-            mask=row_mask[:, None] & mask[None, :],
-            other=0.0,
-        )
         if PROLOGUE == RMS_NORM:
             x = _summed_row(x_ptr, residual_ptr, cols, mask, HAS_RESIDUAL)
             weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -96,6 +106,7 @@ def _gemv_kernel(
         else:
             x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        w = _w_tile(w_ptr, rows, row_mask, cols + BLOCK_K, K)  # all masked after the last
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -143,7 +154,9 @@ def _launch(
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        USE_PDL=uses_pdl(x.device),
         num_warps=config.num_warps,
+        launch_pdl=uses_pdl(x.device),
     )
     return out
 
