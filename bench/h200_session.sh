@@ -4,6 +4,8 @@
 #   bench/h200_session.sh throughput OUT  offline Qwen3-0.6B (with the HF peer) and Llama-3.1-8B
 #   bench/h200_session.sh serving OUT     serving against offline (bench/serving_vs_offline.sh)
 #                                         and the cost of a step that takes in a prompt
+#   bench/h200_session.sh pdl OUT         programmatic dependent launch: GPU tests of the kernels
+#                                         and engine it touches, then batch-1 with it off and on
 # Wheels the GPU image lacks (orjson, gguf) travel in .whl/; serving needs the SmolLM2 tokenizer
 # files in .tok/ (the serving benchmark times text).
 set -uo pipefail
@@ -43,6 +45,17 @@ PY
   bench/serving_vs_offline.sh /tmp/q3 "$out" dummy
   python3 bench/mixed_step.py --out "$out/mixed_step_h200.json" | tail -3
   python3 bench/mixed_step.py --prompt-len 64 --out "$out/mixed_step_short_h200.json" | tail -3
+  ;;
+pdl)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py \
+    tests/test_gpu_engine.py tests/test_kernels_attention.py > "$out/gpu_tests_pdl_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_pdl_h200.txt"
+  for pdl in 0 1; do
+    ASYNCLLM_PDL=$pdl python3 bench/profile_decode.py --batch 1 --steps 64 \
+      --out "$out/profile_decode_pdl${pdl}_h200.json" | tail -3
+    ASYNCLLM_PDL=$pdl python3 bench/throughput.py --shape qwen3-0.6b "${workload[@]}" \
+      --num-requests 16 --single-stream --no-peer --out "$out/batch1_pdl${pdl}_h200.json" | tail -2
+  done
   ;;
 esac
 grep -h "engine step failed" "$out"/*.txt "$out"/*.log 2>/dev/null | head -3
