@@ -1,8 +1,9 @@
 """Paged attention for decode: one query token per request, GQA-aware, optionally split-K.
 
-With programmatic dependent launch (Hopper), the split-K reduce starts while the attention
-kernel runs and waits for it before reading the partial results, and the kernel after the
-reduce (the output projection's GEMV) may start loading its weights meanwhile."""
+With programmatic dependent launch (Hopper), each kernel starts while the one before it
+finishes and waits for it before reading its output: the attention kernel after the q/k
+preparation, the split-K reduce after the attention kernel; the kernel after them (the output
+projection's GEMV) may start loading its weights meanwhile."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing one KV head, over one split of a sequence's keys."""
-    if USE_PDL:
+    if USE_PDL:  # launched early: the query and the new key are the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -252,6 +254,7 @@ def paged_decode_attention(
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     if split:
         _decode_reduce_kernel[(num_rows, num_heads)](

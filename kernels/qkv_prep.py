@@ -1,4 +1,7 @@
-"""Everything between the qkv projection and attention in one launch: q/k RMSNorm, rotary, KV write."""
+"""Everything between the qkv projection and attention in one launch: q/k RMSNorm, rotary, KV write.
+
+On Hopper it launches with programmatic dependent launch (see kernels/gemv.py): it starts while
+the projection finishes and waits for it before reading qkv."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2
+from kernels._common import next_pow2, uses_pdl
 
 
 @triton.jit
@@ -51,8 +54,12 @@ def _norm_rope_and_cache_kernel(
     HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (t, h): query head h of token t, or for h >= NUM_HEADS its KV head h - NUM_HEADS."""
+    if USE_PDL:  # launched early: qkv is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     head_dim = 2 * HALF
@@ -137,6 +144,8 @@ def norm_rope_and_cache(
         HAS_NORM=has_norm,
         HALF=half,
         BLOCK_HALF=next_pow2(half),
+        USE_PDL=uses_pdl(qkv.device),
         num_warps=1,
+        launch_pdl=uses_pdl(qkv.device),
     )
     return query
