@@ -52,6 +52,33 @@ def _w_tile(w_ptr, rows, row_mask, cols, K):
 
 
 @triton.jit
+def _x_tile(
+    x_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    cols,
+    K,
+    rstd,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """f(x) on cols, in fp32 after rounding to x's dtype as the unfused op stores it."""
+    mask = cols < K
+    dtype = x_ptr.dtype.element_ty
+    if PROLOGUE == RMS_NORM:
+        x = _summed_row(x_ptr, residual_ptr, cols, mask, HAS_RESIDUAL)
+        weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x * rstd * weight).to(dtype).to(tl.float32)
+    elif PROLOGUE == SILU_AND_MUL:  # x holds [gate | up], 2K values
+        gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     residual_ptr,
@@ -75,8 +102,7 @@ def _gemv_kernel(
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     k = tl.arange(0, BLOCK_K)
-    dtype = x_ptr.dtype.element_ty
-    w = _w_tile(w_ptr, rows, row_mask, k, K)  # the next tile is loaded a step ahead
+    w = _w_tile(w_ptr, rows, row_mask, k, K)  # no kernel writes W: its first tile needs no wait
     if USE_PDL:  # the next kernel may start loading its weights; x is the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -88,25 +114,16 @@ def _gemv_kernel(
             x = _summed_row(x_ptr, residual_ptr, k0 + k, mask, HAS_RESIDUAL)
             if HAS_RESIDUAL:  # noqa: SIM102 (a constexpr and a runtime test stay apart)
                 if pid == 0:
-                    tl.store(residual_out_ptr + k0 + k, x.to(dtype), mask=mask)
+                    tl.store(residual_out_ptr + k0 + k, x.to(x_ptr.dtype.element_ty), mask=mask)
             squares += x * x
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    x = _x_tile(x_ptr, residual_ptr, norm_weight_ptr, k, K, rstd, PROLOGUE, HAS_RESIDUAL)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + k
-        mask = cols < K
-        if PROLOGUE == RMS_NORM:
-            x = _summed_row(x_ptr, residual_ptr, cols, mask, HAS_RESIDUAL)
-            weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (x * rstd * weight).to(dtype).to(tl.float32)
-        elif PROLOGUE == SILU_AND_MUL:  # x holds [gate | up], 2K values
-            gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = _w_tile(w_ptr, rows, row_mask, cols, K)
+        x = _x_tile(x_ptr, residual_ptr, norm_weight_ptr, cols, K, rstd, PROLOGUE, HAS_RESIDUAL)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        w = _w_tile(w_ptr, rows, row_mask, cols + BLOCK_K, K)  # all masked after the last
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
