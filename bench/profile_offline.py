@@ -1,0 +1,92 @@
+"""Where the offline throughput run's GPU time goes: bench/throughput.py's workload under
+torch.profiler (GPU activity only), each kernel's total time, and how long the GPU sat idle.
+
+    python bench/profile_offline.py --shape qwen3-0.6b --out $OUT/profile_offline.json
+
+The profiler slows the run; its wall time is for the idle share, not a throughput figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# run as a script, bench/ comes first on sys.path, where bench/kernels.py would shadow kernels
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from asyncllm import LLM, SamplingParams  # noqa: E402
+from asyncllm.models.shapes import SHAPES, write_shape  # noqa: E402
+from bench.throughput import make_workload  # noqa: E402
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (microseconds in, seconds out)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
+    llm = LLM(
+        model=str(path),
+        load_format="dummy",
+        max_model_len=4096,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    vocab = SHAPES[args.shape]["vocab_size"]
+    workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab, 0)
+    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    totals: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = totals.setdefault(e.name[:90], [0.0, 0])
+        entry[0] += e.time_range.elapsed_us() / 1e6
+        entry[1] += 1
+    busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in kernels])
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:25]
+    result = {
+        "benchmark": "profile_offline",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__},
+        "workload": vars(args) | {"out": str(args.out)},
+        "wall_s_profiled": wall,
+        "gpu_busy_s": busy,
+        "gpu_idle_fraction": 1 - busy / wall,
+        "kernels": {name: {"s": s, "calls": n} for name, (s, n) in top},
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
