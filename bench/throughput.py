@@ -38,6 +38,17 @@ from asyncllm.worker.model_runner import LaunchedModelStep
 Workload = list[tuple[list[int], int]]
 
 
+def triton_cache_entries() -> set[str]:
+    """The kernels in Triton's disk cache: one folder per compiled kernel variant. On a machine
+    whose cache started empty, a new one during a timed run is a compile inside it."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    default = Path.home() / ".triton" / "cache"
+    folder = Path(knobs.cache.dir if knobs else os.environ.get("TRITON_CACHE_DIR", default))
+    return {entry.name for entry in folder.iterdir()} if folder.is_dir() else set()
+
+
 def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> Workload:
     rng = random.Random(seed)
     lengths = [(rng.randint(min_len, max_len), rng.randint(min_len, max_len)) for _ in range(n)]
@@ -132,15 +143,18 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     phases = time_phases(llm) if args.profile_steps else None
+    cached = triton_cache_entries()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    compiled = len(triton_cache_entries() - cached)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(o for _, o in workload), "asyncllm did not produce every requested token"
     result = {
         "seconds": elapsed,
         "output_tokens_per_s": produced / elapsed,
         "async_scheduling": llm.engine.core.async_scheduling,
+        "triton_kernels_compiled_during_run": compiled,
     }
     if phases is not None:
         result["seconds_by_phase"] = dict(phases)
