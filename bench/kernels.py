@@ -303,6 +303,17 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
                 + [bench_decode(32, 4096, copy_tbps, num_splits=s) for s in (1, None)]
             ),
         ),
+        (
+            # where the batch shrinks at the end of a run: is one program per (request, KV
+            # head) enough to read KV at full bandwidth, or would splitting pay?
+            "decode_mid_batch_splits",
+            lambda: [
+                bench_decode(batch, context, copy_tbps, num_splits=splits)
+                for batch in (16, 32, 64, 128)
+                for context in (1024, 2048)
+                for splits in (1, 2, 4)
+            ],
+        ),
         ("kv_write", lambda: [bench_kv_write(n, copy_tbps) for n in (256, 16384)]),
         (
             "prefill",
@@ -370,7 +381,10 @@ def summary(result: dict) -> str:
         "error",
     )
     for names, keys in (
-        (("decode", "decode_split_k", "kv_write", "ops"), bandwidth_keys),
+        (
+            ("decode", "decode_split_k", "decode_mid_batch_splits", "kv_write", "ops"),
+            bandwidth_keys,
+        ),
         (("prefill", "sdpa_reference"), flop_keys),
     ):
         for name in names:
