@@ -16,9 +16,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 # run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
 if sys.path[0] == str(Path(__file__).resolve().parent):
@@ -27,6 +29,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 from asyncllm import LLM, SamplingParams
 from asyncllm.engine.build import add_request, process_outputs
 from asyncllm.models.shapes import SHAPES, write_shape
+from bench.profile_offline import busy_seconds
 
 
 def timed_steps(llm: LLM, n: int) -> list[float]:
@@ -37,6 +40,32 @@ def timed_steps(llm: LLM, n: int) -> list[float]:
         process_outputs(llm.engine, llm.engine.core.step())
         times.append(time.perf_counter() - start)
     return times
+
+
+def profiled(run: Callable[[], object]) -> dict:
+    """run() under torch.profiler: its wall time, how long the GPU was busy in it, and where
+    the host's and the GPU's time went (both threads' host ops, self time)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    events = prof.key_averages()
+
+    def top(device: str, key: str) -> dict[str, float]:
+        chosen = sorted(
+            (e for e in events if e.device_type.name == device),
+            key=lambda e: getattr(e, key),
+            reverse=True,
+        )[:12]
+        return {e.key[:80]: getattr(e, key) / 1e6 for e in chosen}
+
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy_seconds([(e.time_range.start, e.time_range.end) for e in kernels]),
+        "gpu_kernels_s": top("CUDA", "self_device_time_total"),
+        "host_ops_self_s": top("CPU", "self_cpu_time_total"),
+    }
 
 
 def add(llm: LLM, request_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -54,6 +83,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=580, help="the arriving prompt")
     parser.add_argument("--arrivals", type=int, default=20)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--profile", action="store_true", help="also profile both kinds of step")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -82,6 +112,16 @@ def main() -> None:
         mixed.append(max(around))
         timed_steps(llm, 10)
     median_decode = statistics.median(decode)
+    profiles = {}
+    if args.profile:  # the same number of steps of each kind: 4 around each of 5 arrivals
+        profiles["decode_steps"] = profiled(lambda: timed_steps(llm, 20))
+
+        def arrivals() -> None:
+            for i in range(5):
+                add(llm, f"p{i}", prompt(args.prompt_len), 3000)
+                timed_steps(llm, 4)
+
+        profiles["steps_around_arrivals"] = profiled(arrivals)
     result = {
         "benchmark": "mixed_step",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -98,7 +138,7 @@ def main() -> None:
         "p99_decode_step_ms": statistics.quantiles(decode, n=100)[98] * 1e3,
         "median_mixed_step_ms": statistics.median(mixed) * 1e3,
         "mixed_over_decode": statistics.median(mixed) / median_decode,
-    }
+    } | ({"profiles": profiles} if profiles else {})
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
