@@ -43,8 +43,8 @@ shutil.copytree(".tok", "/tmp/q3", dirs_exist_ok=True)
 json.dump(config, open("/tmp/q3/config.json", "w"))
 PY
   bench/serving_vs_offline.sh /tmp/q3 "$out" dummy
-  python3 bench/mixed_step.py --profile --out "$out/mixed_step_h200.json" | tail -3
-  python3 bench/mixed_step.py --prompt-len 64 --out "$out/mixed_step_short_h200.json" | tail -3
+  python3 bench/mixed_step.py --profile --out "$out/mixed_step_h200.json" | grep -E "median_mixed|over_decode"
+  python3 bench/mixed_step.py --prompt-len 64 --out "$out/mixed_step_short_h200.json" | grep -E "median_mixed|over_decode"
   ;;
 pdl)
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py \
