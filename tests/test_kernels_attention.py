@@ -265,6 +265,30 @@ def test_prefill_writes_every_row_of_a_long_prompt() -> None:
     assert relative_error(out, reference_attention(query, kv_cache, meta, 0.125)) < 1e-5
 
 
+def test_prefill_skips_zero_length_requests() -> None:
+    """Request slots padded as zero-length requests (the token count repeated in
+    query_start_loc, seq_len 0), as a graph captured for more requests than a step has would
+    pass them: they write nothing and the real requests' rows are exact."""
+    query_lens, seq_lens = [3, 70, 1], [10, 90, 12]
+    query, _, _, kv_cache, meta = make_batch(
+        query_lens, seq_lens, 4, 2, 32, torch.float32, padding_tokens=5
+    )
+    padded, total = 6, sum(query_lens)
+
+    def pad(tensor: torch.Tensor, value: int) -> torch.Tensor:
+        rows = tensor.new_full((padded, *tensor.shape[1:]), value)
+        return torch.cat([tensor, rows])
+
+    out = torch.full_like(query, float("nan"))
+    paged_prefill_attention(
+        query, kv_cache, pad(meta.query_start_loc, total), pad(meta.seq_lens, 0),
+        pad(meta.block_tables, 0), 0.125, 70, out=out,
+    )  # fmt: skip
+    assert out[total:].isnan().all()
+    ref = reference_attention(query, kv_cache, meta, 0.125)
+    assert relative_error(out[:total], ref[:total]) < 1e-5
+
+
 def write_and_attend(backend, query, key, value, kv_cache, meta, scale) -> torch.Tensor:
     """What a layer does after its own q/k preparation: the KV write, then attention."""
     write = reshape_and_cache if isinstance(backend, TritonAttentionBackend) else write_kv_cache
