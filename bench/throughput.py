@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import transformers
+import triton
 
 # run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
 if sys.path[0] == str(Path(__file__).resolve().parent):
@@ -41,8 +42,6 @@ Workload = list[tuple[list[int], int]]
 def triton_cache_entries() -> set[str]:
     """The kernels in Triton's disk cache: one folder per compiled kernel variant. On a machine
     whose cache started empty, a new one during a timed run is a compile inside it."""
-    import triton
-
     knobs = getattr(triton, "knobs", None)
     default = Path.home() / ".triton" / "cache"
     folder = Path(knobs.cache.dir if knobs else os.environ.get("TRITON_CACHE_DIR", default))
