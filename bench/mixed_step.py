@@ -14,7 +14,6 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +27,8 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.engine.build import add_request, process_outputs
-from asyncllm.models.shapes import SHAPES, write_shape
-from bench.profile_offline import busy_seconds
+from asyncllm.models.shapes import SHAPES
+from bench.profile_offline import busy_seconds, dummy_llm
 
 
 def timed_steps(llm: LLM, n: int) -> list[float]:
@@ -87,13 +86,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
-    llm = LLM(
-        model=str(path),
-        load_format="dummy",
-        max_model_len=4096,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    llm = dummy_llm(args.shape, args.max_num_batched_tokens)
     vocab = SHAPES[args.shape]["vocab_size"]
     rng = random.Random(0)
 

@@ -37,6 +37,17 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+def dummy_llm(shape: str, max_num_batched_tokens: int) -> LLM:
+    """An engine over a benchmark shape with dummy weights."""
+    path = write_shape(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")))
+    return LLM(
+        model=str(path),
+        load_format="dummy",
+        max_model_len=4096,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -47,13 +58,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
-    llm = LLM(
-        model=str(path),
-        load_format="dummy",
-        max_model_len=4096,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    llm = dummy_llm(args.shape, args.max_num_batched_tokens)
     vocab = SHAPES[args.shape]["vocab_size"]
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab, 0)
     prompts = [{"prompt_token_ids": p} for p, _ in workload]

@@ -155,6 +155,7 @@ def _launch(
     assert weight.dtype == x.dtype
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     config = config or choose_gemv_config(n, k)
+    pdl = uses_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         residual if residual is not None else x,
@@ -171,9 +172,9 @@ def _launch(
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        USE_PDL=uses_pdl(x.device),
+        USE_PDL=pdl,
         num_warps=config.num_warps,
-        launch_pdl=uses_pdl(x.device),
+        launch_pdl=pdl,
     )
     return out
 

@@ -125,6 +125,7 @@ def norm_rope_and_cache(
         return query
     has_norm = q_norm_weight is not None
     half = head_dim // 2
+    pdl = uses_pdl(qkv.device)
     # without a norm the weight pointers are never read; any tensor fills the slots
     _norm_rope_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv,
@@ -144,8 +145,8 @@ def norm_rope_and_cache(
         HAS_NORM=has_norm,
         HALF=half,
         BLOCK_HALF=next_pow2(half),
-        USE_PDL=uses_pdl(qkv.device),
+        USE_PDL=pdl,
         num_warps=1,
-        launch_pdl=uses_pdl(qkv.device),
+        launch_pdl=pdl,
     )
     return query
