@@ -20,7 +20,7 @@ MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,

@@ -72,7 +72,12 @@ def _attend_tile(
     return acc, m_new, denom
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+# a mixed step passes query_start_loc and seq_lens from its first prompt on: 4-byte aligned
+# only, which must not compile a second variant mid-run
+@triton.jit(
+    do_not_specialize=["num_reqs"],
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -173,7 +178,9 @@ def paged_prefill_attention(
     Row i of request r sits at position seq_len[r] - query_len[r] + i and attends causally to
     every key up to its own position, all read from the paged kv_cache (a cached prefix included),
     so reshape_and_cache must have stored this step's keys first. Any query_len >= 1 works,
-    decode rows included. Rows past query_start_loc[-1] are padding and left unwritten.
+    decode rows included. Rows before query_start_loc[0] (which need not be 0: a mixed step
+    leaves its decodes at the front to the decode kernel) and past query_start_loc[-1] are
+    left unwritten.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape

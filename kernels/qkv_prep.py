@@ -13,26 +13,47 @@ from kernels._common import next_pow2, uses_pdl
 
 
 @triton.jit
-def _norm_rope_head(
+def _norm_rope_heads(
     x_ptr,
     norm_weight_ptr,
     cos,
     sin,
     eps,
+    NUM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One head's two halves, RMS-normalised (when HAS_NORM) then rotated, in fp32."""
-    i = tl.arange(0, BLOCK_HALF)
-    mask = i < HALF
-    x1 = tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    """NUM consecutive heads' two halves [BLOCK_HEADS, BLOCK_HALF], each head RMS-normalised
+    (when HAS_NORM) then rotated, in fp32."""
+    h = tl.arange(0, BLOCK_HEADS)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM) & (i < HALF)
+    ptrs = x_ptr + h * (2 * HALF) + i
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-        x1 *= rstd * tl.load(norm_weight_ptr + i, mask=mask, other=0.0).to(tl.float32)
-        x2 *= rstd * tl.load(norm_weight_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        squares = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+        rstd = tl.rsqrt(squares / (2 * HALF) + eps)[:, None]
+        x1 *= rstd * tl.load(norm_weight_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+        x2 *= rstd * tl.load(norm_weight_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _store_heads(
+    dst, x1, x2, NUM: tl.constexpr, BLOCK_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Heads [BLOCK_HEADS, 2 * HALF] (as two halves) at dst, one after another; rows past NUM
+    are not stored."""
+    h = tl.arange(0, BLOCK_HEADS)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM) & (i < HALF)
+    ptrs = dst + h * (2 * HALF) + i
+    tl.store(ptrs, x1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, x2.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -51,48 +72,60 @@ def _norm_rope_and_cache_kernel(
     eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (t, h): query head h of token t, or for h >= NUM_HEADS its KV head h - NUM_HEADS."""
+    """Program (t, g): HEADS heads of token t, query heads g * HEADS on while
+    g < NUM_HEADS / HEADS, else the key and value heads of the group's remainder."""
     if USE_PDL:  # launched early: qkv is the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    group = tl.program_id(1)
     head_dim = 2 * HALF
-    i = tl.arange(0, BLOCK_HALF)
-    mask = i < HALF
+    i = tl.arange(0, BLOCK_HALF)[None, :]
     row = qkv_ptr + token * qkv_stride_t
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + i, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i, mask=mask, other=0.0)
-    sin = sin.to(tl.float32)
-    if head < NUM_HEADS:
-        x1, x2 = _norm_rope_head(
-            row + head * head_dim, q_norm_weight_ptr, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF
-        )
-        dst = query_ptr + (token * NUM_HEADS + head) * head_dim + i
-        tl.store(dst, x1.to(query_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, x2.to(query_ptr.dtype.element_ty), mask=mask)
+    angles = cos_sin_ptr + pos * cos_sin_stride + i
+    cos = tl.load(angles, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(angles + HALF, mask=i < HALF, other=0.0).to(tl.float32)
+    if group < NUM_HEADS // HEADS:
+        first = group * HEADS
+        x1, x2 = _norm_rope_heads(
+            row + first * head_dim, q_norm_weight_ptr, cos, sin, eps, HEADS, BLOCK_HEADS,
+            HAS_NORM, HALF, BLOCK_HALF,
+        )  # fmt: skip
+        dst = query_ptr + (token * NUM_HEADS + first) * head_dim
+        _store_heads(dst, x1, x2, HEADS, BLOCK_HEADS, HALF, BLOCK_HALF)
     else:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
-            kv_head = head - NUM_HEADS
-            k_src = row + (NUM_HEADS + kv_head) * head_dim
-            x1, x2 = _norm_rope_head(
-                k_src, k_norm_weight_ptr, cos, sin, eps, HAS_NORM, HALF, BLOCK_HALF
-            )
-            offset = (slot * NUM_KV_HEADS + kv_head) * head_dim + i
-            tl.store(k_cache_ptr + offset, x1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_cache_ptr + offset + HALF, x2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            v_src = k_src + NUM_KV_HEADS * head_dim
-            v1 = tl.load(v_src + i, mask=mask)
-            v2 = tl.load(v_src + HALF + i, mask=mask)
-            tl.store(v_cache_ptr + offset, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + offset + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            first = group * HEADS - NUM_HEADS
+            k_src = row + (NUM_HEADS + first) * head_dim
+            x1, x2 = _norm_rope_heads(
+                k_src, k_norm_weight_ptr, cos, sin, eps, HEADS, BLOCK_HEADS, HAS_NORM, HALF,
+                BLOCK_HALF,
+            )  # fmt: skip
+            offset = (slot * NUM_KV_HEADS + first) * head_dim
+            _store_heads(k_cache_ptr + offset, x1, x2, HEADS, BLOCK_HEADS, HALF, BLOCK_HALF)
+            h = tl.arange(0, BLOCK_HEADS)[:, None]
+            mask = (h < HEADS) & (i < HALF)
+            v_src = k_src + NUM_KV_HEADS * head_dim + h * head_dim + i
+            v1 = tl.load(v_src, mask=mask, other=0.0)
+            v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
+            _store_heads(v_cache_ptr + offset, v1, v2, HEADS, BLOCK_HEADS, HALF, BLOCK_HALF)
+
+
+def heads_per_program(num_tokens: int, num_kv_heads: int) -> int:
+    """One head a program (1 warp) while the tokens are few, so that a batch-1 decode still
+    spreads over num_heads + num_kv_heads programs; all of a token's KV heads (and as many
+    query heads) a program from 64 tokens on, where one program per head was 6,144 tiny
+    programs at batch 256. The threshold is a guess, not a measurement."""
+    return 1 if num_tokens < 64 else num_kv_heads
 
 
 def norm_rope_and_cache(
@@ -126,8 +159,9 @@ def norm_rope_and_cache(
     has_norm = q_norm_weight is not None
     half = head_dim // 2
     pdl = uses_pdl(qkv.device)
+    heads = heads_per_program(num_tokens, num_kv_heads)
     # without a norm the weight pointers are never read; any tensor fills the slots
-    _norm_rope_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
+    _norm_rope_and_cache_kernel[(num_tokens, (num_heads + num_kv_heads) // heads)](
         qkv,
         positions,
         cos_sin_cache,
@@ -142,11 +176,13 @@ def norm_rope_and_cache(
         eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
+        HEADS=heads,
+        BLOCK_HEADS=next_pow2(heads),
         HAS_NORM=has_norm,
         HALF=half,
         BLOCK_HALF=next_pow2(half),
         USE_PDL=pdl,
-        num_warps=1,
+        num_warps=1 if heads == 1 else 4,
         launch_pdl=pdl,
     )
     return query

@@ -289,6 +289,21 @@ def test_prefill_skips_zero_length_requests() -> None:
     assert relative_error(out[:total], ref[:total]) < 1e-5
 
 
+def test_prefill_starts_at_the_first_request_of_a_slice() -> None:
+    """Given the metadata of requests 2 on (as a mixed step passes its prompts, the decodes at
+    the front going to the decode kernel), rows before them are left alone."""
+    query_lens, seq_lens = [1, 1, 70, 1, 9], [40, 3, 90, 12, 9]
+    query, _, _, kv_cache, meta = make_batch(query_lens, seq_lens, 4, 2, 32, torch.float32)
+    out = torch.full_like(query, float("nan"))
+    paged_prefill_attention(
+        query, kv_cache, meta.query_start_loc[2:], meta.seq_lens[2:], meta.block_tables[2:],
+        0.125, 70, out=out,
+    )  # fmt: skip
+    assert out[:2].isnan().all()
+    ref = reference_attention(query, kv_cache, meta, 0.125)
+    assert relative_error(out[2:], ref[2:]) < 1e-5
+
+
 def write_and_attend(backend, query, key, value, kv_cache, meta, scale) -> torch.Tensor:
     """What a layer does after its own q/k preparation: the KV write, then attention."""
     write = reshape_and_cache if isinstance(backend, TritonAttentionBackend) else write_kv_cache

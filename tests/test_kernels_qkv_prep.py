@@ -49,7 +49,9 @@ def reference(
 
 @pytest.mark.parametrize(
     "num_tokens, num_heads, num_kv_heads, head_dim",
-    [(1, 4, 1, 64), (3, 8, 2, 128), (17, 8, 2, 64), (17, 4, 1, 128), (3, 4, 2, 80)],
+    # below 64 tokens one head a program, from 64 on a token's KV heads (and as many query heads)
+    [(1, 4, 1, 64), (3, 8, 2, 128), (17, 8, 2, 64), (17, 4, 1, 128), (3, 4, 2, 80)]
+    + [(64, 8, 2, 64), (70, 9, 3, 64), (65, 4, 4, 80)],
 )
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,7 +64,7 @@ def test_norm_rope_and_cache_matches_torch_composition(
     dtype: torch.dtype,
 ) -> None:
     gen = torch.Generator().manual_seed(num_tokens * head_dim + num_heads)
-    num_blocks, block_size = 4, 16
+    num_blocks, block_size = 8, 16
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(DEVICE, dtype)

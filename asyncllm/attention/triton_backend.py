@@ -47,12 +47,28 @@ class TritonAttentionBackend:
                 out,
                 max_seq_len=meta.max_seq_len,
             )
+        # a mixed step's decodes go to the decode kernel: in the prefill kernel each would take
+        # a whole query tile through the matmuls for its one row. Unsplit, and num_seqs not
+        # specialised on, it runs the variant the decode graphs compiled: nothing compiles
+        # mid-run
+        out = torch.empty_like(query) if out is None else out
+        decodes = meta.num_leading_decodes
+        if decodes:
+            paged_decode_attention(
+                query[:decodes],
+                kv_cache,
+                meta.block_tables[:decodes],
+                meta.seq_lens[:decodes],
+                scale,
+                out[:decodes],
+                num_splits=1,
+            )
         return paged_prefill_attention(
             query,
             kv_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
+            meta.query_start_loc[decodes:],
+            meta.seq_lens[decodes:],
+            meta.block_tables[decodes:],
             scale,
             meta.max_query_len,
             out,
