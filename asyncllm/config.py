@@ -31,6 +31,10 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # when positive, the most prompt tokens one request computes in a step (vLLM's flag of the
+    # same name): a long prompt then takes several steps, so no single step stalls the streams
+    # decoding beside it for long
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
@@ -56,6 +60,7 @@ class EngineArgs:
             max_model_len=model.max_model_len,
             policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         if (
             not self.enable_chunked_prefill

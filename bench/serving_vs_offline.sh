@@ -2,11 +2,15 @@
 # Serving against offline throughput on one model folder, in one run (issue: serving at
 # saturation vs offline, and ITL at half that load). Usage:
 #   bench/serving_vs_offline.sh MODEL_DIR OUT_DIR [LOAD_FORMAT] [NUM_PROMPTS] [MIN_LEN] [MAX_LEN]
-# MODEL_DIR needs a tokenizer (text is what the serving benchmark times).
+#                               [LONG_PREFILL]
+# MODEL_DIR needs a tokenizer (text is what the serving benchmark times). Both runs cap the prompt
+# tokens a request computes per step at LONG_PREFILL (default 256, 0: no cap), so that a step
+# taking in a long prompt does not stall the streams beside it for long (the ITL tail).
 set -euo pipefail
-model=$1 out=$2 format=${3:-auto} n=${4:-256} lo=${5:-100} hi=${6:-1024}
+model=$1 out=$2 format=${3:-auto} n=${4:-256} lo=${5:-100} hi=${6:-1024} cap=${7:-256}
 port=8765
-engine=(--max-model-len 4096 --max-num-batched-tokens 8192 --load-format "$format")
+engine=(--max-model-len 4096 --max-num-batched-tokens 8192 --load-format "$format"
+  --long-prefill-token-threshold "$cap")
 vocab=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$model/config.json")
 workload=(--num-prompts "$n" --min-len "$lo" --max-len "$hi" --vocab-size "$vocab" --disable-tqdm)
 

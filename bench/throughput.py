@@ -135,6 +135,7 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )
@@ -302,6 +303,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument(
         "--async-scheduling",

@@ -50,6 +50,19 @@ def test_preemption_gives_identical_outputs(tiny_model_dir) -> None:
     assert kv_usage(tight) == 0
 
 
+def test_long_prefill_token_threshold_spreads_a_prompt_over_steps(llm, tiny_model_dir) -> None:
+    """A prompt longer than the threshold is computed a capped chunk a step, beside the decoding
+    requests, and the greedy outputs do not change."""
+    prompts = ["a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2, "hello"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    capped = LLM(model=str(tiny_model_dir), max_model_len=512, long_prefill_token_threshold=16)
+    assert capped.engine.core.scheduler.config.long_prefill_token_threshold == 16
+    outputs = capped.generate(prompts, params, use_tqdm=False)
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert len(outputs[0].prompt_token_ids) > 3 * 16
+
+
 def test_shared_prefix_is_computed_once(llm) -> None:
     prefix = "You are a helpful assistant. " * 8
     llm.generate(prefix + "First question?", SamplingParams(max_tokens=2), use_tqdm=False)

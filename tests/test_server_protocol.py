@@ -161,10 +161,12 @@ def test_serve_flags_cover_engine_args_and_server_args() -> None:
     from asyncllm.serve import engine_args_from, make_parser
 
     namespace = make_parser().parse_args(
-        ["--model", "m", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--port", "0"]
-    )
+        ["--model", "m", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--port", "0",
+         "--long-prefill-token-threshold", "256"]
+    )  # fmt: skip
     engine_args = engine_args_from(namespace)
     assert (engine_args.model, engine_args.max_num_seqs) == ("m", 4)
+    assert engine_args.long_prefill_token_threshold == 256
     assert not engine_args.enable_prefix_caching and engine_args.max_model_len is None
     assert (namespace.host, namespace.port) == ("127.0.0.1", 0)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
@@ -10,8 +12,36 @@ from asyncllm.models.layers.rotary import RotaryEmbedding
 from kernels import norm_rope_and_cache, paged_decode_attention, paged_prefill_attention
 
 
+@dataclass(frozen=True)
+class _MixedParts:
+    """A mixed step's metadata cut in two: its leading decodes, and the requests from its first
+    prompt on."""
+
+    num_decodes: int
+    decode_seq_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
+    prompt_query_start_loc: torch.Tensor
+    prompt_seq_lens: torch.Tensor
+    prompt_block_tables: torch.Tensor
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> _MixedParts:
+        d = meta.num_leading_decodes
+        return cls(
+            d,
+            meta.seq_lens[:d],
+            meta.block_tables[:d],
+            meta.query_start_loc[d:],
+            meta.seq_lens[d:],
+            meta.block_tables[d:],
+        )
+
+
 class TritonAttentionBackend:
     """The decode path does no host sync and no data-dependent allocation: CUDA-graph capturable."""
+
+    def __init__(self) -> None:
+        self._last_parts: tuple[AttentionMetadata, _MixedParts] | None = None
 
     def prepare_qkv(
         self,
@@ -52,24 +82,30 @@ class TritonAttentionBackend:
         # specialised on, it runs the variant the decode graphs compiled: nothing compiles
         # mid-run
         out = torch.empty_like(query) if out is None else out
-        decodes = meta.num_leading_decodes
-        if decodes:
+        parts = self._mixed_parts(meta)
+        if parts.num_decodes:
             paged_decode_attention(
-                query[:decodes],
+                query[: parts.num_decodes],
                 kv_cache,
-                meta.block_tables[:decodes],
-                meta.seq_lens[:decodes],
+                parts.decode_block_tables,
+                parts.decode_seq_lens,
                 scale,
-                out[:decodes],
+                out[: parts.num_decodes],
                 num_splits=1,
             )
         return paged_prefill_attention(
             query,
             kv_cache,
-            meta.query_start_loc[decodes:],
-            meta.seq_lens[decodes:],
-            meta.block_tables[decodes:],
+            parts.prompt_query_start_loc,
+            parts.prompt_seq_lens,
+            parts.prompt_block_tables,
             scale,
             meta.max_query_len,
             out,
         )
+
+    def _mixed_parts(self, meta: AttentionMetadata) -> _MixedParts:
+        """The step's metadata cut once, not again in every layer."""
+        if self._last_parts is None or self._last_parts[0] is not meta:
+            self._last_parts = (meta, _MixedParts.of(meta))
+        return self._last_parts[1]
