@@ -327,16 +327,21 @@ def test_backend_matches_torch_backend_on_mixed_batch(dtype: torch.dtype) -> Non
     assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("min_split_decodes", [1, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backend_on_decodes_around_prompt_chunks_with_padding_tokens(dtype: torch.dtype) -> None:
+def test_backend_on_decodes_around_prompt_chunks_with_padding_tokens(
+    dtype: torch.dtype, min_split_decodes: int
+) -> None:
     """A mixed step as the piecewise graphs run it: decode rows before and after prompt chunks,
-    and padding tokens past the last request (their rows are never read)."""
+    and padding tokens past the last request (their rows are never read); the leading decodes
+    in the decode kernel (1) or in the prefill kernel with the rest (64)."""
     query_lens, seq_lens = [1, 1, 1, 17, 1, 5], [40, 1, 129, 17, 70, 33]
     query, key, value, kv_cache, meta = make_batch(
         query_lens, seq_lens, 8, 2, 64, dtype, padding_tokens=3
     )
     ref_cache = kv_cache.float().clone()
-    out = write_and_attend(TritonAttentionBackend(), query, key, value, kv_cache, meta, 0.125)
+    backend = TritonAttentionBackend(min_split_decodes)
+    out = write_and_attend(backend, query, key, value, kv_cache, meta, 0.125)
     ref = write_and_attend(
         TorchAttentionBackend(), query.float(), key.float(), value.float(), ref_cache, meta, 0.125
     )
@@ -344,7 +349,9 @@ def test_backend_on_decodes_around_prompt_chunks_with_padding_tokens(dtype: torc
     assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("backend", [TorchAttentionBackend(), TritonAttentionBackend()])
+@pytest.mark.parametrize(
+    "backend", [TorchAttentionBackend(), TritonAttentionBackend(), TritonAttentionBackend(1)]
+)
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 9, 1, 4]])
 def test_backends_write_into_a_given_output(backend, query_lens: list[int]) -> None:
     seq_lens = [20, 9, 37, 4][: len(query_lens)]

@@ -25,8 +25,8 @@ class _MixedParts:
     prompt_block_tables: torch.Tensor
 
     @classmethod
-    def of(cls, meta: AttentionMetadata) -> _MixedParts:
-        d = meta.num_leading_decodes
+    def of(cls, meta: AttentionMetadata, min_decodes: int) -> _MixedParts:
+        d = meta.num_leading_decodes if meta.num_leading_decodes >= min_decodes else 0
         return cls(
             d,
             meta.seq_lens[:d],
@@ -38,9 +38,16 @@ class _MixedParts:
 
 
 class TritonAttentionBackend:
-    """The decode path does no host sync and no data-dependent allocation: CUDA-graph capturable."""
+    """The decode path does no host sync and no data-dependent allocation: CUDA-graph capturable.
 
-    def __init__(self) -> None:
+    A mixed step's leading decodes go to the decode kernel once there are min_split_decodes of
+    them. Below that the prefill kernel takes them too: a launch per layer fewer matters more
+    then than the query tiles they waste (on the H200, 28 decodes beside a 580-token prompt:
+    4.4 ms a step together, 7.4 ms split; `bench/NOTES.md`, change 22).
+    """
+
+    def __init__(self, min_split_decodes: int = 64) -> None:
+        self.min_split_decodes = min_split_decodes
         self._last_parts: tuple[AttentionMetadata, _MixedParts] | None = None
 
     def prepare_qkv(
@@ -77,8 +84,8 @@ class TritonAttentionBackend:
                 out,
                 max_seq_len=meta.max_seq_len,
             )
-        # a mixed step's decodes go to the decode kernel: in the prefill kernel each would take
-        # a whole query tile through the matmuls for its one row. Unsplit, and num_seqs not
+        # a mixed step's many decodes go to the decode kernel: in the prefill kernel each would
+        # take a whole query tile through the matmuls for its one row. Unsplit, and num_seqs not
         # specialised on, it runs the variant the decode graphs compiled: nothing compiles
         # mid-run
         out = torch.empty_like(query) if out is None else out
@@ -107,5 +114,5 @@ class TritonAttentionBackend:
     def _mixed_parts(self, meta: AttentionMetadata) -> _MixedParts:
         """The step's metadata cut once, not again in every layer."""
         if self._last_parts is None or self._last_parts[0] is not meta:
-            self._last_parts = (meta, _MixedParts.of(meta))
+            self._last_parts = (meta, _MixedParts.of(meta, self.min_split_decodes))
         return self._last_parts[1]
