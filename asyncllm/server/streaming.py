@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -33,6 +34,43 @@ SSE_HEADERS = {
 _END = object()
 
 
+class _Completions:
+    """Futures in the order they finish, and a wait for the next that gives up after a timeout.
+    One callback per future for its life, where asyncio.wait adds and removes one per future on
+    every call: merging took 5.6 us of each streamed chunk that way, 3.3 us this way
+    (`bench/merge_streams.py`)."""
+
+    def __init__(self) -> None:
+        self.finished: deque[asyncio.Future] = deque()
+        self._waiter: asyncio.Future[bool] | None = None
+
+    def watch(self, awaitable: Awaitable[T]) -> asyncio.Future[T]:
+        future = asyncio.ensure_future(awaitable)
+        future.add_done_callback(self._on_finished)
+        return future
+
+    def _on_finished(self, future: asyncio.Future) -> None:
+        self.finished.append(future)
+        self.wake()
+
+    def wake(self, _: object = None, woken: bool = True) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(woken)
+
+    async def wait(self, timeout: float) -> bool:
+        """False when timeout seconds passed with nothing finished and no wake()."""
+        if self.finished:
+            return True
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, self.wake, None, False)
+        try:
+            return await self._waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
 async def merge_streams(
     streams: list[AsyncIterator[T]],
     keepalive_s: float,
@@ -44,31 +82,34 @@ async def merge_streams(
     the pending reads and closes every stream (for engine streams: aborts the request). Once
     `cutoff` resolves, its error is raised here (a timeout, a shutdown) and the same happens.
     """
-    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-    watched = {cutoff} if cutoff is not None else set()
+    completions = _Completions()
+    reads = {completions.watch(anext(s)): i for i, s in enumerate(streams)}
+    if cutoff is not None:
+        cutoff.add_done_callback(completions.wake)
     try:
-        while pending:
-            done, _ = await asyncio.wait(
-                pending.keys() | watched, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            if cutoff in done:
+        while reads:
+            if not await completions.wait(keepalive_s):
+                yield None
+            if cutoff is not None and cutoff.done():
                 if not cutoff.cancelled():
                     raise cutoff.result()
-                watched = set()
-            if not done:
-                yield None
-            for task in sorted(done - watched, key=pending.__getitem__):
-                index = pending.pop(task)
-                try:
-                    item = task.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(anext(streams[index]))] = index
-                yield index, item
+                cutoff = None
+            if not completions.finished:
+                continue
+            read = completions.finished.popleft()
+            index = reads.pop(read)
+            try:
+                item = read.result()
+            except StopAsyncIteration:
+                continue
+            reads[completions.watch(anext(streams[index]))] = index
+            yield index, item
     finally:
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        if cutoff is not None:
+            cutoff.remove_done_callback(completions.wake)
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 
