@@ -54,6 +54,7 @@ class _Completions:
         self.wake()
 
     def wake(self, _: object = None, woken: bool = True) -> None:
+        """End the wait in progress: a read or the cutoff finished, or (woken=False) it timed out."""
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(woken)
 
