@@ -4,8 +4,8 @@ read through merge_streams and read directly, under uvloop, best of 5 runs.
 
     python bench/merge_streams.py --out bench/results/merge_streams_cpu.json
 
-The stream is fed like an engine request's: an asyncio.Event-backed collector whose next item
-a loop callback puts after each read.
+The stream is an engine request's: AsyncLLM's per-request collector, whose next item a loop
+callback puts after each read.
 """
 
 from __future__ import annotations
@@ -26,35 +26,26 @@ import uvloop
 if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from asyncllm.engine.output_processor import RequestOutputCollector  # noqa: E402
+from asyncllm.sampling_params import RequestOutputKind  # noqa: E402
 from asyncllm.server.streaming import merge_streams  # noqa: E402
 
 
-class Collector:
-    def __init__(self) -> None:
-        self.ready = asyncio.Event()
-        self.item = 0
-
-    def put(self) -> None:
-        self.item += 1
-        self.ready.set()
-
-    async def get(self) -> int:
-        await self.ready.wait()
-        self.ready.clear()
-        asyncio.get_running_loop().call_soon(self.put)
-        return self.item
-
-
-async def engine_like(collector: Collector, n: int) -> AsyncIterator[int]:
-    for _ in range(n):
-        yield await collector.get()
+async def engine_like(collector: RequestOutputCollector, n: int) -> AsyncIterator[int]:
+    """AsyncLLM.generate's loop over its collector, the engine putting the next output in a
+    loop callback after each read."""
+    loop = asyncio.get_running_loop()
+    for i in range(n):
+        item = await collector.get()
+        loop.call_soon(collector.put, i + 1)
+        yield item
 
 
 async def us_per_item(n: int, merged: bool) -> float:
     loop = asyncio.get_running_loop()
-    collector = Collector()
+    collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY)
     cutoff = loop.create_future()
-    loop.call_soon(collector.put)
+    collector.put(0)
     stream = engine_like(collector, n)
     items = merge_streams([stream], 10.0, cutoff) if merged else stream
     start = time.perf_counter()

@@ -13,7 +13,6 @@ block_id * block_size + offset. slot_mapping[t] is the slot for new token t (-1:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,12 +41,6 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
-
-    @functools.cached_property
-    def num_leading_decodes(self) -> int:
-        """How many requests at the front of the batch have one query each (running requests
-        come first in a step, so in a mixed step these are its decodes)."""
-        return next((i for i, n in enumerate(self.query_lens_cpu) if n != 1), self.num_reqs)
 
 
 class AttentionBackend(Protocol):

@@ -26,7 +26,10 @@ class _MixedParts:
 
     @classmethod
     def of(cls, meta: AttentionMetadata, min_decodes: int) -> _MixedParts:
-        d = meta.num_leading_decodes if meta.num_leading_decodes >= min_decodes else 0
+        """The leading decodes are those requests before the first with more than one query
+        (running requests come first in a step); fewer than min_decodes stay with the rest."""
+        d = next((i for i, n in enumerate(meta.query_lens_cpu) if n != 1), meta.num_reqs)
+        d = d if d >= min_decodes else 0
         return cls(
             d,
             meta.seq_lens[:d],

@@ -37,7 +37,7 @@ _END = object()
 class _Completions:
     """Futures in the order they finish, and a wait for the next that gives up after a timeout.
     One callback per future for its life, where asyncio.wait adds and removes one per future on
-    every call: merging took 5.6 us of each streamed chunk that way, 3.3 us this way
+    every call: merging took 5.6 us of each streamed chunk that way, 3.3-3.7 us this way
     (`bench/merge_streams.py`)."""
 
     def __init__(self) -> None:
