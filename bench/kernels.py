@@ -36,7 +36,10 @@ from kernels import (  # noqa: E402
 )
 from kernels._common import AttentionConfig  # noqa: E402
 from kernels.decode_attention import choose_num_splits, default_decode_config  # noqa: E402
-from kernels.prefill_attention import default_prefill_config  # noqa: E402
+from kernels.prefill_attention import (  # noqa: E402
+    default_prefill_config,
+    short_query_prefill_config,
+)
 
 # Qwen3-0.6B attention shape
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
@@ -324,6 +327,17 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
             ],
         ),
         (
+            # a serving step: decodes next to one arriving prompt, in 128-row or 16-row tiles;
+            # and prompts alone in 16-row tiles
+            "prefill_mixed",
+            lambda: [
+                bench_prefill([1] * decodes + [p], [820] * decodes + [p], matmul_tflops, config)
+                for decodes in (28, 0)
+                for p in (64, 256, 580, 1024, 2048)
+                for config in (default_prefill_config(DTYPE), short_query_prefill_config(DTYPE))
+            ],
+        ),
+        (
             "prefill_sweep",
             lambda: [
                 bench_prefill([4096] * 4, [4096] * 4, matmul_tflops, c) for c in PREFILL_SWEEP
@@ -371,6 +385,7 @@ def summary(result: dict) -> str:
         "error",
     )
     flop_keys = (
+        "config",
         "query_lens",
         "seq_lens",
         "num_reqs",
@@ -385,7 +400,7 @@ def summary(result: dict) -> str:
             ("decode", "decode_split_k", "decode_mid_batch_splits", "kv_write", "ops"),
             bandwidth_keys,
         ),
-        (("prefill", "sdpa_reference"), flop_keys),
+        (("prefill", "prefill_mixed", "sdpa_reference"), flop_keys),
     ):
         for name in names:
             for row in _rows(result, name):

@@ -8,9 +8,11 @@ waits for that step, so the mixed step's time is what the p99 inter-token latenc
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import platform
+import pstats
 import random
 import statistics
 import sys
@@ -67,6 +69,24 @@ def profiled(run: Callable[[], object]) -> dict:
     }
 
 
+def host_profiled(run: Callable[[], object], top: int = 25) -> dict:
+    """run() under cProfile: the functions with the most time of their own (engine.step()
+    launches each step from this thread, so the launches' host cost is here)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = []
+    for (path, line, name), (_, calls, own, total, _) in stats.stats.items():
+        rows.append((own, f"{Path(path).name}:{line}({name})", calls, total))
+    rows.sort(reverse=True)
+    return {
+        key: {"calls": calls, "own_s": own, "total_s": total}
+        for own, key, calls, total in rows[:top]
+    }
+
+
 def add(llm: LLM, request_id: str, prompt: list[int], max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     request, _ = llm.engine.input_processor.process(
@@ -83,6 +103,9 @@ def main() -> None:
     parser.add_argument("--arrivals", type=int, default=20)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--profile", action="store_true", help="also profile both kinds of step")
+    parser.add_argument(
+        "--host-profile", action="store_true", help="also cProfile the steps around arrivals"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -105,16 +128,22 @@ def main() -> None:
         mixed.append(max(around))
         timed_steps(llm, 10)
     median_decode = statistics.median(decode)
+
+    def arrivals(tag: str) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(5):
+                add(llm, f"{tag}{i}", prompt(args.prompt_len), 3000)
+                timed_steps(llm, 4)
+
+        return run
+
     profiles = {}
     if args.profile:  # the same number of steps of each kind: 4 around each of 5 arrivals
         profiles["decode_steps"] = profiled(lambda: timed_steps(llm, 20))
-
-        def arrivals() -> None:
-            for i in range(5):
-                add(llm, f"p{i}", prompt(args.prompt_len), 3000)
-                timed_steps(llm, 4)
-
-        profiles["steps_around_arrivals"] = profiled(arrivals)
+        profiles["steps_around_arrivals"] = profiled(arrivals("p"))
+    if args.host_profile:
+        profiles["host_decode_steps"] = host_profiled(lambda: timed_steps(llm, 20))
+        profiles["host_steps_around_arrivals"] = host_profiled(arrivals("h"))
     result = {
         "benchmark": "mixed_step",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -12,13 +12,13 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_M: tl.constexpr):
-    """The request owning program `tile`; request r owns tiles from query_start_loc[r] // BLOCK_M + r."""
+def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request owning program `tile`; request r owns tiles from query_start_loc[r] // BLOCK_Q + r."""
     lo = tl.full([], 0, tl.int32)
     hi = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
         if first_tile <= tile:
             lo = mid + 1
         else:
@@ -99,31 +99,37 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Causal attention of BLOCK_M consecutive queries of one request (one head) over its context."""
-    head = tl.program_id(0)
+    """Causal attention of BLOCK_Q consecutive queries of one request over its context, for the
+    GROUP query heads that share one KV head: its BLOCK_M = BLOCK_Q * GROUP (or fewer) rows,
+    token-major, share every key and value load."""
+    kv_head = tl.program_id(0)
     # last tiles first: they see the most keys, so the long programs start early and the tail is short
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_M)
+    req = _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    m_tile = tile - (q_start // BLOCK_M + req)
-    if m_tile * BLOCK_M >= q_len:
+    m_tile = tile - (q_start // BLOCK_Q + req)
+    if m_tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    first_q_pos = seq_len - q_len + m_tile * BLOCK_M
+    first_q_pos = seq_len - q_len + m_tile * BLOCK_Q
 
-    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < q_len
-    q_pos = first_q_pos + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    token = r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    rows = m_tile * BLOCK_Q + token
+    row_mask = (token < BLOCK_Q) & (rows < q_len)
+    q_pos = first_q_pos + token
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     tokens = (q_start + rows).to(tl.int64)
     io_mask = row_mask[:, None] & d_mask[None, :]
     q = tl.load(
-        q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + d[None, :],
+        q_ptr + tokens[:, None] * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
         mask=io_mask,
         other=0.0,
     )
@@ -132,9 +138,9 @@ def _prefill_kernel(
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + req.to(tl.int64) * block_table_stride
-    kv_offset = (head // GROUP) * HEAD_DIM + d
+    kv_offset = kv_head * HEAD_DIM + d
     # keys before the tile's first query are visible to every row: no mask needed there
-    kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_M)
+    kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)
     unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
         acc, m, denom = _attend_tile(
@@ -149,7 +155,7 @@ def _prefill_kernel(
 
     out = acc / denom[:, None]
     tl.store(
-        out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :],
+        out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=io_mask,
     )
@@ -159,6 +165,15 @@ def default_prefill_config(dtype: torch.dtype) -> AttentionConfig:
     if dtype == torch.float32:
         return AttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
     return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+
+
+def short_query_prefill_config(dtype: torch.dtype) -> AttentionConfig:
+    """Tiles of 16 rows, for steps of mostly decode rows: a decode row then costs about what it
+    does in the decode kernel (one token's GQA heads in a tile), not a whole 128-row tile's
+    matmuls."""
+    if dtype == torch.float32:
+        return AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    return AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 
 
 def paged_prefill_attention(
@@ -192,9 +207,12 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
         return out
     config = config or default_prefill_config(query.dtype)
-    # request r's tiles start at query_start_loc[r] // block_m + r, so this many cover every request
-    num_tiles = num_tokens // config.block_m + num_reqs
-    _prefill_kernel[(num_heads, num_tiles)](
+    group = num_heads // num_kv_heads
+    block_m = max(config.block_m, next_pow2(group))
+    block_q = block_m // group
+    # request r's tiles start at query_start_loc[r] // block_q + r, so this many cover every request
+    num_tiles = num_tokens // block_q + num_reqs
+    _prefill_kernel[(num_kv_heads, num_tiles)](
         query,
         kv_cache[0],
         kv_cache[1],
@@ -210,11 +228,12 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads,
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=next_pow2(head_dim),
         BLOCK_SIZE=block_size,
-        BLOCK_M=config.block_m,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps,

@@ -75,34 +75,46 @@ def test_runner_uses_graphs_for_decode(qwen3_dir) -> None:
     assert runner.piecewise_graphs is not None
 
 
-def run_with_logprobs(path, **kwargs):
+def run_with_logprobs(path, max_num_batched_tokens: int, **kwargs):
     llm = LLM(
         model=str(path),
         kv_cache_memory=KV_CACHE_BYTES,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=16,
         **kwargs,
     )
     runner = llm.engine.core.model_runner
-    sizes = []
+    replays = []
+    if runner.mixed_graphs is not None:
+        whole = runner.mixed_graphs.replay
+        runner.mixed_graphs.replay = lambda size: replays.append(("whole", size)) or whole(size)
     if runner.piecewise_graphs is not None:
-        real = runner.piecewise_graphs.run
-        runner.piecewise_graphs.run = lambda size, meta: sizes.append(size) or real(size, meta)
+        piecewise = runner.piecewise_graphs.run
+        runner.piecewise_graphs.run = lambda size, meta: (
+            replays.append(("piecewise", size)) or piecewise(size, meta)
+        )
     params = [
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3),
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
     ]
     outputs = llm.generate(prompts(), [params[i % 2] for i in range(12)], use_tqdm=False)
+    assert llm.engine.core.kv_cache_manager.usage == 0
     llm.engine.core.shutdown()
     return [
         (o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs
-    ], sizes
+    ], replays
 
 
-def test_piecewise_graphs_match_eager_bit_for_bit(qwen3_dir) -> None:
-    """Steps with prompt tokens (chunked prefill next to decodes, prompt logprobs) replay the
-    piecewise graphs, padded to the ladder; eager runs pad the same way: equal bits."""
-    eager, eager_sizes = run_with_logprobs(qwen3_dir, enforce_eager=True)
-    graphs, sizes = run_with_logprobs(qwen3_dir)
-    assert not eager_sizes and sizes and max(sizes) <= 512
+@pytest.mark.parametrize("max_num_batched_tokens,kind", [(512, "whole"), (2048, "piecewise")])
+def test_mixed_step_graphs_match_eager_bit_for_bit(
+    qwen3_dir, max_num_batched_tokens: int, kind: str
+) -> None:
+    """Steps with prompt tokens (chunked prefill next to decodes, prompt logprobs) replay
+    whole-step graphs up to 768 tokens and piecewise graphs above, padded to the ladder;
+    eager runs pad the same way: equal bits. A budget of 512 tokens chunks the prompts into
+    steps for the whole-step graphs; at 2048 the prompts fill two big steps."""
+    eager, eager_replays = run_with_logprobs(qwen3_dir, max_num_batched_tokens, enforce_eager=True)
+    graphs, replays = run_with_logprobs(qwen3_dir, max_num_batched_tokens)
+    assert not eager_replays and kind in {k for k, _ in replays}
+    assert all((size <= 768) == (k == "whole") for k, size in replays)
     assert graphs == eager

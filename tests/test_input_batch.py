@@ -112,3 +112,19 @@ def test_padding_tokens_belong_to_no_request_and_write_nowhere() -> None:
     assert inputs.meta.query_start_loc.tolist() == [0, 5, 6]
     assert inputs.meta.seq_lens.tolist() == [5, 4]
     assert inputs.logits_indices.tolist() == [4, 5]
+
+
+def test_whole_step_graph_padding_adds_requests_of_no_tokens() -> None:
+    """A whole-step mixed graph takes a fixed number of requests: the step's own, then
+    requests that start where the last real query ends, with no tokens and no context."""
+    batch = cpu_batch(max_num_reqs=8, max_tokens=16)
+    a, b = request("a", 5), request("b", 3)
+    b.append_output_token(7)
+    out = SchedulerOutput([scheduled(a, 0, 5, [1, 2]), scheduled(b, 3, 1, [3])])
+    inputs = batch.prepare(out, pad_tokens_to=9, empty_reqs_to=5)
+    assert inputs.padded_tokens == 9
+    assert inputs.meta.query_start_loc.tolist() == [0, 5, 6, 6, 6, 6]
+    assert inputs.meta.seq_lens.tolist() == [5, 4, 0, 0, 0]
+    assert inputs.meta.block_tables.shape[0] == 5
+    assert inputs.meta.query_lens_cpu == [5, 1] and inputs.meta.num_reqs == 2
+    assert inputs.logits_indices.tolist() == [4, 5]

@@ -21,6 +21,7 @@ from kernels import (
     paged_prefill_attention,
     reshape_and_cache,
 )
+from kernels.prefill_attention import default_prefill_config, short_query_prefill_config
 
 FULL = torch.cuda.is_available()
 DEVICE = "cuda" if FULL else "cpu"
@@ -139,7 +140,7 @@ DECODE_CASES = [
 if FULL:
     DECODE_CASES = [
         (heads * group, heads, head_dim, dtype, splits, 16 if head_dim == 128 else 32)
-        for heads, group in [(2, 1), (2, 4), (1, 8), (8, 2)]
+        for heads, group in [(2, 1), (2, 4), (1, 8), (8, 2), (2, 3)]
         for head_dim in (64, 128)
         for dtype in DTYPES
         for splits in (1, 5, None)
@@ -208,6 +209,7 @@ PREFILL_CASES = [
     ([5, 70, 17], [5, 70, 17], 4, 1, 64, torch.float32, 16),  # fresh prompts
     ([1, 70, 3, 20], [40, 100, 3, 52], 8, 2, 128, torch.float32, 16),  # prefix hits, a decode row
     ([33, 1, 9], [60, 17, 9], 8, 1, 64, torch.float16, 32),
+    ([1, 40, 1, 7], [50, 45, 9, 7], 6, 2, 32, torch.float32, 16),  # 3 query heads per KV head
 ]
 if FULL:
     PREFILL_CASES = [
@@ -220,13 +222,14 @@ if FULL:
             dtype,
             block_size,
         )
-        for heads, group in [(2, 1), (2, 4), (1, 8), (8, 2)]
+        for heads, group in [(2, 1), (2, 4), (1, 8), (8, 2), (2, 3)]
         for head_dim in (64, 128)
         for dtype in DTYPES
         for block_size in (16, 32)
     ]
 
 
+@pytest.mark.parametrize("tiles", ["default", "short_query"])
 @pytest.mark.parametrize(
     "query_lens,seq_lens,num_heads,num_kv_heads,head_dim,dtype,block_size", PREFILL_CASES
 )
@@ -238,11 +241,13 @@ def test_prefill_matches_reference(
     head_dim: int,
     dtype: torch.dtype,
     block_size: int,
+    tiles: str,
 ) -> None:
     query, _, _, kv_cache, meta = make_batch(
         query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size
     )
     scale = head_dim**-0.5
+    configs = {"default": default_prefill_config, "short_query": short_query_prefill_config}
     out = paged_prefill_attention(
         query,
         kv_cache,
@@ -251,6 +256,7 @@ def test_prefill_matches_reference(
         meta.block_tables,
         scale,
         meta.max_query_len,
+        config=configs[tiles](dtype),
     )
     assert relative_error(out, reference_attention(query, kv_cache, meta, scale)) < TOLERANCE[dtype]
 
@@ -265,10 +271,11 @@ def test_prefill_writes_every_row_of_a_long_prompt() -> None:
     assert relative_error(out, reference_attention(query, kv_cache, meta, 0.125)) < 1e-5
 
 
-def test_prefill_skips_zero_length_requests() -> None:
+@pytest.mark.parametrize("tiles", [default_prefill_config, short_query_prefill_config])
+def test_prefill_skips_zero_length_requests(tiles) -> None:
     """Request slots padded as zero-length requests (the token count repeated in
-    query_start_loc, seq_len 0), as a graph captured for more requests than a step has would
-    pass them: they write nothing and the real requests' rows are exact."""
+    query_start_loc, seq_len 0), as a graph captured for more requests than a step has
+    passes them: they write nothing and the real requests' rows are exact."""
     query_lens, seq_lens = [3, 70, 1], [10, 90, 12]
     query, _, _, kv_cache, meta = make_batch(
         query_lens, seq_lens, 4, 2, 32, torch.float32, padding_tokens=5
@@ -282,7 +289,7 @@ def test_prefill_skips_zero_length_requests() -> None:
     out = torch.full_like(query, float("nan"))
     paged_prefill_attention(
         query, kv_cache, pad(meta.query_start_loc, total), pad(meta.seq_lens, 0),
-        pad(meta.block_tables, 0), 0.125, 70, out=out,
+        pad(meta.block_tables, 0), 0.125, 70, out=out, config=tiles(torch.float32),
     )  # fmt: skip
     assert out[total:].isnan().all()
     ref = reference_attention(query, kv_cache, meta, 0.125)
@@ -327,20 +334,22 @@ def test_backend_matches_torch_backend_on_mixed_batch(dtype: torch.dtype) -> Non
     assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("max_short_step_tokens", [0, 768])
 @pytest.mark.parametrize("min_split_decodes", [1, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_on_decodes_around_prompt_chunks_with_padding_tokens(
-    dtype: torch.dtype, min_split_decodes: int
+    dtype: torch.dtype, min_split_decodes: int, max_short_step_tokens: int
 ) -> None:
     """A mixed step as the piecewise graphs run it: decode rows before and after prompt chunks,
     and padding tokens past the last request (their rows are never read); the leading decodes
-    in the decode kernel (1) or in the prefill kernel with the rest (64)."""
+    in the decode kernel (1) or in the prefill kernel with the rest (64), in 128-row tiles (0)
+    or 16-row ones (768)."""
     query_lens, seq_lens = [1, 1, 1, 17, 1, 5], [40, 1, 129, 17, 70, 33]
     query, key, value, kv_cache, meta = make_batch(
         query_lens, seq_lens, 8, 2, 64, dtype, padding_tokens=3
     )
     ref_cache = kv_cache.float().clone()
-    backend = TritonAttentionBackend(min_split_decodes)
+    backend = TritonAttentionBackend(min_split_decodes, max_short_step_tokens)
     out = write_and_attend(backend, query, key, value, kv_cache, meta, 0.125)
     ref = write_and_attend(
         TorchAttentionBackend(), query.float(), key.float(), value.float(), ref_cache, meta, 0.125

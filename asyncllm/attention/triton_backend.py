@@ -10,6 +10,7 @@ from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.models.layers.norm import RMSNorm
 from asyncllm.models.layers.rotary import RotaryEmbedding
 from kernels import norm_rope_and_cache, paged_decode_attention, paged_prefill_attention
+from kernels.prefill_attention import short_query_prefill_config
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,18 @@ class _MixedParts:
 class TritonAttentionBackend:
     """The decode path does no host sync and no data-dependent allocation: CUDA-graph capturable.
 
-    A mixed step's leading decodes go to the decode kernel once there are min_split_decodes of
-    them. Below that the prefill kernel takes them too: a launch per layer fewer matters more
-    then than the query tiles they waste (on the H200, 28 decodes beside a 580-token prompt:
-    4.4 ms a step together, 7.4 ms split; `bench/NOTES.md`, change 22).
+    A step with prompt tokens of at most max_short_step_tokens rows (padding included) runs all
+    its requests, decodes too, through the prefill kernel in 16-row tiles: a decode row costs
+    there about what it costs in the decode kernel, and the launch reads no host metadata, so
+    the runner captures such steps whole in CUDA graphs (`bench/NOTES.md`, change 25). Longer
+    prompts compute faster in 128-row tiles; in bigger steps the leading decodes go to the
+    decode kernel once there are min_split_decodes of them (below that a launch per layer
+    fewer matters more than the tiles they waste; change 22).
     """
 
-    def __init__(self, min_split_decodes: int = 64) -> None:
+    def __init__(self, min_split_decodes: int = 64, max_short_step_tokens: int = 768) -> None:
         self.min_split_decodes = min_split_decodes
+        self.max_short_step_tokens = max_short_step_tokens
         self._last_parts: tuple[AttentionMetadata, _MixedParts] | None = None
 
     def prepare_qkv(
@@ -87,11 +92,22 @@ class TritonAttentionBackend:
                 out,
                 max_seq_len=meta.max_seq_len,
             )
-        # a mixed step's many decodes go to the decode kernel: in the prefill kernel each would
-        # take a whole query tile through the matmuls for its one row. Unsplit, and num_seqs not
-        # specialised on, it runs the variant the decode graphs compiled: nothing compiles
-        # mid-run
         out = torch.empty_like(query) if out is None else out
+        if query.shape[0] <= self.max_short_step_tokens:
+            return paged_prefill_attention(
+                query,
+                kv_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                meta.max_query_len,
+                out,
+                config=short_query_prefill_config(query.dtype),
+            )
+        # a big step's many decodes go to the decode kernel: in 128-row tiles each would take a
+        # whole tile through the matmuls for its one row. Unsplit, and num_seqs not specialised
+        # on, it runs the variant the decode graphs compiled: nothing compiles mid-run
         parts = self._mixed_parts(meta)
         if parts.num_decodes:
             paged_decode_attention(

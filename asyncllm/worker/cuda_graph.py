@@ -1,10 +1,12 @@
 """Steps replayed from CUDA graphs captured once at a ladder of sizes.
 
 Pure-decode steps replay one graph of the whole forward pass per batch size. Steps with prompt
-tokens replay piecewise graphs per token count: everything between two attentions is a graph,
-each layer's attention runs eagerly on the step's own metadata (its launch depends on how the
-tokens split into requests), so a step launches L + 1 graphs and L attention kernels instead of
-about ten kernels per layer from Python.
+tokens do too, per token count, up to the size whose attention reads no host metadata (the
+backend's max_short_step_tokens): their requests are padded to the graph's capacity with
+requests of no tokens. Bigger steps replay piecewise graphs: everything between two attentions
+is a graph, and each layer's attention runs eagerly on the step's own metadata (its launches
+depend on how the tokens split into requests), so such a step launches L + 1 graphs and L or
+2L attention kernels instead of about ten kernels per layer from Python.
 
 A graph reads its inputs from InputBatch's fixed device buffers, so a replay is: fill the
 buffers (padding up to the graph's size), replay, read the rows that sample.
@@ -40,17 +42,19 @@ def token_count_ladder(max_tokens: int, cap: int = 2048) -> list[int]:
     return sizes + [max_tokens] if max_tokens <= cap else sizes
 
 
-def _static_meta(input_batch: InputBatch, size: int, max_query_len: int) -> AttentionMetadata:
+def _static_meta(
+    input_batch: InputBatch, num_reqs: int, num_tokens: int, max_query_len: int
+) -> AttentionMetadata:
     """Metadata over the fixed device buffers, for capture (host fields are placeholders)."""
     return AttentionMetadata(
-        query_start_loc=input_batch.query_start_loc.device[: size + 1],
-        seq_lens=input_batch.seq_lens.device[:size],
-        block_tables=input_batch.block_tables.device[:size],
-        slot_mapping=input_batch.slot_mapping.device[:size],
+        query_start_loc=input_batch.query_start_loc.device[: num_reqs + 1],
+        seq_lens=input_batch.seq_lens.device[:num_reqs],
+        block_tables=input_batch.block_tables.device[:num_reqs],
+        slot_mapping=input_batch.slot_mapping.device[:num_tokens],
         max_query_len=max_query_len,
         max_seq_len=input_batch.max_model_len,
-        query_lens_cpu=[1] * size,
-        seq_lens_cpu=[1] * size,
+        query_lens_cpu=[1] * num_reqs,
+        seq_lens_cpu=[1] * num_reqs,
     )
 
 
@@ -73,11 +77,14 @@ class _GraphRunner:
         self.stream = stream
 
 
-class CudaGraphRunner(_GraphRunner):
+class _WholeStepGraphs(_GraphRunner):
+    """One graph per size of the whole forward pass; subclasses say what the padding in the
+    buffers is at capture and what the pass computes."""
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -89,18 +96,31 @@ class CudaGraphRunner(_GraphRunner):
                 graph = torch.cuda.CUDAGraph()
                 self._forward(size)  # warm-up: triton compiles and autotunes outside capture
                 with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                    self.logits[size] = self._forward(size)
+                    self.outputs[size] = self._forward(size)
                 self.graphs[size] = graph
                 pool = graph.pool()
         self.stream.synchronize()
         logger.info(
-            "captured %d CUDA graphs in %.1f s", len(self.sizes), time.perf_counter() - start
+            "captured %d %s graphs in %.1f s",
+            len(self.sizes),
+            type(self).__name__,
+            time.perf_counter() - start,
         )
 
     def replay(self, size: int) -> torch.Tensor:
-        """Logits [size, vocab]; the step's inputs must already be in the device buffers."""
+        """The pass's output; the step's inputs must already be in the device buffers."""
         self.graphs[size].replay()
-        return self.logits[size]
+        return self.outputs[size]
+
+    def _fill_padding(self, size: int) -> None:
+        raise NotImplementedError
+
+    def _forward(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CudaGraphRunner(_WholeStepGraphs):
+    """Pure-decode steps, per batch size: logits [size, vocab]."""
 
     def _fill_padding(self, size: int) -> None:
         batch = self.input_batch
@@ -119,11 +139,38 @@ class CudaGraphRunner(_GraphRunner):
     def _forward(self, size: int) -> torch.Tensor:
         """The decode forward pass over the device buffers: no host data, no copies."""
         batch = self.input_batch
-        meta = _static_meta(batch, size, max_query_len=1)
+        meta = _static_meta(batch, size, size, max_query_len=1)
         hidden = self.model(
             batch.input_ids.device[:size], batch.positions.device[:size], self.kv_caches, meta
         )
         return self.model.compute_logits(hidden)
+
+
+class MixedGraphRunner(_WholeStepGraphs):
+    """Steps with prompt tokens, attention included, per token count: hidden states
+    [size, hidden]. A graph takes capacity(size) requests: the real ones, then requests of no
+    tokens."""
+
+    def capacity(self, size: int) -> int:
+        """Each real request has a token at least."""
+        return min(size, self.input_batch.max_num_reqs)
+
+    def _fill_padding(self, size: int) -> None:
+        batch, reqs = self.input_batch, self.capacity(size)
+        batch.pad_tokens(0, size)  # captures write no KV
+        batch.query_start_loc.np[0] = 0
+        batch.pad_empty_requests(0, reqs, 0)
+        for buffer in (batch.input_ids, batch.positions, batch.slot_mapping):
+            buffer.copy_rows(size)
+        batch.query_start_loc.copy_rows(reqs + 1)
+        batch.seq_lens.copy_rows(reqs)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        batch = self.input_batch
+        meta = _static_meta(batch, self.capacity(size), size, max_query_len=size)
+        return self.model(
+            batch.input_ids.device[:size], batch.positions.device[:size], self.kv_caches, meta
+        )
 
 
 class PiecewiseGraphRunner(_GraphRunner):
@@ -160,6 +207,7 @@ class PiecewiseGraphRunner(_GraphRunner):
                         self._piece(piece, size)
                     self.graphs[size].append(graph)
                     pool = graph.pool()
+            self._compile_attention(min(self.sizes))
         self.stream.synchronize()
         logger.info(
             "captured piecewise CUDA graphs for %d token counts in %.1f s",
@@ -178,6 +226,25 @@ class PiecewiseGraphRunner(_GraphRunner):
         graphs[-1].replay()
         return self.hidden[:size]
 
+    def _compile_attention(self, size: int) -> None:
+        """Attention runs eagerly between the graphs: run it once, for one request of `size`
+        queries, so that its kernel is compiled before serving (a compile mid-run stalls every
+        stream for seconds)."""
+        tokens = min(size, self.input_batch.max_model_len)
+        device = self.query.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+            block_tables=self.input_batch.block_tables.device[:1],
+            slot_mapping=self.input_batch.slot_mapping.device[:tokens],
+            max_query_len=size,
+            max_seq_len=tokens,
+            query_lens_cpu=[tokens],
+            seq_lens_cpu=[tokens],
+        )
+        attention = self.model.layers[0].self_attn
+        attention.attend(self.query[:size], self.kv_caches[0], meta, out=self.attn_out[:size])
+
     def _piece(self, index: int, size: int) -> None:
         batch, model, layers = self.input_batch, self.model, self.model.layers
         if index == 0:
@@ -188,7 +255,7 @@ class PiecewiseGraphRunner(_GraphRunner):
         if index == len(layers):
             self.hidden[:size].copy_(model.norm(x, residual)[0])
             return
-        meta = _static_meta(batch, size, max_query_len=size)
+        meta = _static_meta(batch, size, size, max_query_len=size)
         positions, kv_cache = batch.positions.device[:size], self.kv_caches[index]
         query, residual = layers[index].before_attention(positions, x, residual, kv_cache, meta)
         self.query[:size].copy_(query)

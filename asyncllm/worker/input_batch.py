@@ -73,6 +73,7 @@ class InputBatch:
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.max_num_reqs = max_num_reqs
         max_blocks = -(-max_model_len // block_size)
         # rows outlive a request by one step (finished ids arrive with the next schedule)
         num_rows = 2 * max_num_reqs
@@ -105,11 +106,13 @@ class InputBatch:
         pad_to: int | None = None,
         previous: DeviceTokens | None = None,
         pad_tokens_to: int | None = None,
+        empty_reqs_to: int | None = None,
     ) -> StepInputs:
         """Fill the buffers for this step; pad_to pads a pure-decode batch to a graph's size
-        (one-token requests); pad_tokens_to pads any other step's tokens to a piecewise graph's
-        size (tokens that belong to no request); previous: the ids sampled by the step before,
-        for inputs not yet on the host."""
+        (one-token requests); pad_tokens_to pads any other step's tokens to a mixed graph's
+        size (tokens that belong to no request), and empty_reqs_to its requests to the graph's
+        capacity (requests of no tokens); previous: the ids sampled by the step before, for
+        inputs not yet on the host."""
         self.remove_requests(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
         for buffer in self._buffers:
             buffer.flip()
@@ -144,6 +147,9 @@ class InputBatch:
         if pad_tokens_to is not None:
             self.pad_tokens(num_tokens, pad_tokens_to)
             padded_tokens = pad_tokens_to
+        if empty_reqs_to is not None:
+            self.pad_empty_requests(num_reqs, empty_reqs_to, num_tokens)
+            padded = empty_reqs_to
         query_lens = counts.tolist()
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc.copy_rows(padded + 1),
@@ -219,6 +225,12 @@ class InputBatch:
         self.input_ids.np[start:end] = 0
         self.positions.np[start:end] = 0
         self.slot_mapping.np[start:end] = -1
+
+    def pad_empty_requests(self, num_reqs: int, pad_to: int, num_tokens: int) -> None:
+        """Padding requests of no tokens, starting where the last real query ends: attention
+        skips them, and their block tables are never read."""
+        self.query_start_loc.np[num_reqs + 1 : pad_to + 1] = num_tokens
+        self.seq_lens.np[num_reqs:pad_to] = 0
 
     def _copy_tables(self, num_rows: int, width: int) -> torch.Tensor:
         buffer = self.block_tables

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -36,11 +37,14 @@ from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
 from asyncllm.worker.cuda_graph import (
     CudaGraphRunner,
+    MixedGraphRunner,
     PiecewiseGraphRunner,
     batch_size_ladder,
     token_count_ladder,
 )
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
+
+GraphRunner = TypeVar("GraphRunner", CudaGraphRunner, MixedGraphRunner, PiecewiseGraphRunner)
 
 _CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
@@ -110,9 +114,10 @@ class ModelRunner:
         self.config = config
         self.device = config.model.device
         self.block_size = config.cache.block_size
-        self.model = load_model(
-            config.model, make_attention_backend(config.model.attention_backend)
-        )
+        backend = make_attention_backend(config.model.attention_backend)
+        self.model = load_model(config.model, backend)
+        # steps with prompt tokens up to this size run whole in CUDA graphs
+        self.max_whole_mixed_tokens = getattr(backend, "max_short_step_tokens", 0)
         scheduler = config.scheduler
         warm_up_packed_linears(self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         self.num_blocks = self._num_kv_blocks()
@@ -129,8 +134,12 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.decode_sizes = self._decode_sizes()
         self.mixed_sizes = self._mixed_sizes()
-        self.cuda_graphs = self._capture_cuda_graphs()
-        self.piecewise_graphs = self._capture_piecewise_graphs()
+        whole_sizes = [s for s in self.mixed_sizes if s <= self.max_whole_mixed_tokens]
+        self.cuda_graphs = self._capture(CudaGraphRunner, self.decode_sizes)
+        self.mixed_graphs = self._capture(MixedGraphRunner, whole_sizes)
+        self.piecewise_graphs = self._capture(
+            PiecewiseGraphRunner, [s for s in self.mixed_sizes if s not in whole_sizes]
+        )
         self._last_sampled: DeviceTokens | None = None
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "model-runner-launch")
@@ -184,15 +193,20 @@ class ModelRunner:
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
         decode_size = self._decode_batch_size(scheduler_output)
         mixed_size = None if decode_size is not None else self._mixed_size(scheduler_output)
+        whole = self._replays_mixed_graph(scheduler_output, mixed_size)
         inputs = self.input_batch.prepare(
-            scheduler_output, decode_size, self._last_sampled, pad_tokens_to=mixed_size
+            scheduler_output,
+            decode_size,
+            self._last_sampled,
+            pad_tokens_to=mixed_size,
+            empty_reqs_to=self.mixed_graphs.capacity(mixed_size) if whole else None,
         )
         prompt_spans = self._prompt_spans(scheduler_output)
         hidden = None
         if decode_size is not None:
             logits = self._decode_logits(inputs, decode_size)[inputs.logits_indices]
         else:
-            hidden = self._mixed_hidden(inputs, mixed_size)
+            hidden = self._mixed_hidden(inputs, mixed_size, whole)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampled = meta = None
         if inputs.sampling_rows:
@@ -251,8 +265,20 @@ class ModelRunner:
         num_tokens = scheduler_output.total_num_scheduled_tokens
         return next((size for size in self.mixed_sizes if size >= num_tokens), None)
 
-    def _mixed_hidden(self, inputs: StepInputs, size: int | None) -> torch.Tensor:
-        if size is not None and self.piecewise_graphs is not None:
+    def _replays_mixed_graph(self, scheduler_output: SchedulerOutput, size: int | None) -> bool:
+        """Whether a step with prompt tokens replays a whole-step graph: there is one of its
+        size, and a query of more than one token (with none, attention takes the decode
+        kernel; the step runs as a bigger one would)."""
+        return (
+            self.mixed_graphs is not None
+            and size in self.mixed_graphs.graphs
+            and any(s.num_new_tokens > 1 for s in scheduler_output.scheduled)
+        )
+
+    def _mixed_hidden(self, inputs: StepInputs, size: int | None, whole: bool) -> torch.Tensor:
+        if whole:
+            return self.mixed_graphs.replay(size)
+        if self.piecewise_graphs is not None and size in self.piecewise_graphs.sizes:
             return self.piecewise_graphs.run(size, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
@@ -283,21 +309,10 @@ class ModelRunner:
             return []
         return token_count_ladder(self.config.scheduler.max_num_batched_tokens)
 
-    def _capture_piecewise_graphs(self) -> PiecewiseGraphRunner | None:
-        if not self.mixed_sizes or self.config.model.enforce_eager:
+    def _capture(self, kind: type[GraphRunner], sizes: list[int]) -> GraphRunner | None:
+        if not sizes or self.config.model.enforce_eager:
             return None
-        graphs = PiecewiseGraphRunner(
-            self.model, self.kv_caches, self.input_batch, self.mixed_sizes, self.stream
-        )
-        graphs.capture()
-        return graphs
-
-    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
-        if not self.decode_sizes or self.config.model.enforce_eager:
-            return None
-        graphs = CudaGraphRunner(
-            self.model, self.kv_caches, self.input_batch, self.decode_sizes, self.stream
-        )
+        graphs = kind(self.model, self.kv_caches, self.input_batch, sizes, self.stream)
         graphs.capture()
         return graphs
 
