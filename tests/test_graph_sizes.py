@@ -1,6 +1,12 @@
 """The sizes CUDA graphs are captured at: every step fits one, with bounded padding."""
 
+from types import SimpleNamespace
+
+from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from asyncllm.request import Request
+from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.cuda_graph import batch_size_ladder, token_count_ladder
+from asyncllm.worker.model_runner import ModelRunner
 
 
 def test_decode_batch_sizes_cover_every_batch() -> None:
@@ -18,3 +24,18 @@ def test_token_counts_cover_steps_up_to_the_cap_with_under_a_quarter_of_padding(
             assert size <= max_tokens
             assert size - n < 64 or (size - n) * 4 < n
     assert token_count_ladder(2000, cap=512)[-1] == 512
+
+
+def test_decode_graphs_take_one_token_steps_unless_a_prompt_token_is_scored() -> None:
+    """A request asking for prompt_logprobs decodes in the graphs once its prompt is done;
+    a one-token chunk inside its prompt still needs the hidden states."""
+    runner = SimpleNamespace(decode_sizes=batch_size_ladder(16))
+
+    def step(computed: int, logprobs: int | None) -> SchedulerOutput:
+        request = Request("r", list(range(10, 20)), SamplingParams(prompt_logprobs=logprobs))
+        return SchedulerOutput([ScheduledRequest(request, 1, computed, [0])])
+
+    assert ModelRunner._decode_batch_size(runner, step(10, 2)) == 1
+    assert ModelRunner._decode_batch_size(runner, step(9, 2)) == 1  # the last prompt token
+    assert ModelRunner._decode_batch_size(runner, step(5, 2)) is None
+    assert ModelRunner._decode_batch_size(runner, step(5, None)) == 1

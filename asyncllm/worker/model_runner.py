@@ -236,6 +236,8 @@ class ModelRunner:
 
     def _decode_batch_size(self, scheduler_output: SchedulerOutput) -> int | None:
         """For a pure-decode step on the GPU, the padded batch size of its CUDA graph; else None.
+        A request's one token that still scores a prompt token (prompt_logprobs) needs the
+        hidden states, which the graphs do not keep.
 
         With graphs off (enforce_eager) such steps still run padded, with the graphs' metadata,
         so that both modes launch the same kernels and give bit-identical outputs.
@@ -243,10 +245,7 @@ class ModelRunner:
         if not self.decode_sizes:
             return None
         scheduled = scheduler_output.scheduled
-        if any(
-            s.num_new_tokens != 1 or s.request.sampling_params.prompt_logprobs is not None
-            for s in scheduled
-        ):
+        if any(s.num_new_tokens != 1 or prompt_span(s, 0) is not None for s in scheduled):
             return None
         return next((size for size in self.decode_sizes if size >= len(scheduled)), None)
 
@@ -267,8 +266,9 @@ class ModelRunner:
 
     def _replays_mixed_graph(self, scheduler_output: SchedulerOutput, size: int | None) -> bool:
         """Whether a step with prompt tokens replays a whole-step graph: there is one of its
-        size, and a query of more than one token (with none, attention takes the decode
-        kernel; the step runs as a bigger one would)."""
+        size, and a query of more than one token (with none, as when a request asks for
+        prompt logprobs, attention takes the decode kernel, which those graphs do not hold:
+        the step runs eagerly)."""
         return (
             self.mixed_graphs is not None
             and size in self.mixed_graphs.graphs
