@@ -6,11 +6,14 @@
 #                                         and the cost of a step that takes in a prompt
 #   bench/h200_session.sh pdl OUT         programmatic dependent launch: GPU tests of the kernels
 #                                         and engine it touches, then batch-1 with it off and on
+#   bench/h200_session.sh offline_ab OUT DIR  offline Qwen3-0.6B of another tree (DIR: `git
+#                                         archive REV | tar -x -C DIR` into an untracked folder)
+#                                         and of this one, alternating twice, then a profile of each
 # Wheels the GPU image lacks (orjson, gguf) travel in .whl/; serving needs the SmolLM2 tokenizer
 # files in .tok/ (the serving benchmark times text). The device returns at most 8 files from its
 # OUT: give these a folder and tar it into OUT.
 set -uo pipefail
-what=$1 out=$2
+what=$1 out=$(realpath -m "$2")
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -59,6 +62,19 @@ pdl)
     ASYNCLLM_PDL=$pdl python3 bench/throughput.py --shape qwen3-0.6b "${workload[@]}" \
       --num-requests 16 --single-stream --no-peer --out "$out/batch1_pdl${pdl}_h200.json" | tail -2
   done
+  ;;
+offline_ab)
+  other=$3
+  ab=(--shape qwen3-0.6b "${workload[@]}" --no-peer)
+  for round in 1 2; do  # alternating, so that the order of the runs cannot decide
+    (cd "$other" && PYTHONPATH=/tmp/site:$PWD python3 bench/throughput.py "${ab[@]}" \
+      --out "$out/throughput_qwen3_ab_other_${round}_h200.json" | tail -1)
+    python3 bench/throughput.py "${ab[@]}" --out "$out/throughput_qwen3_ab_this_${round}_h200.json" \
+      | tail -1
+  done
+  (cd "$other" && PYTHONPATH=/tmp/site:$PWD python3 bench/profile_offline.py \
+    --out "$out/profile_offline_ab_other_h200.json" > /dev/null)
+  python3 bench/profile_offline.py --out "$out/profile_offline_ab_this_h200.json" > /dev/null
   ;;
 esac
 grep -h "engine step failed" "$out"/*.txt "$out"/*.log 2>/dev/null | head -3
