@@ -327,8 +327,8 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
             ],
         ),
         (
-            # a serving step: decodes next to one arriving prompt, in 128-row or 16-row tiles;
-            # and prompts alone in 16-row tiles
+            # a serving step: decodes next to one arriving prompt, then the prompt alone, each
+            # in 128-row and in 16-row tiles
             "prefill_mixed",
             lambda: [
                 bench_prefill([1] * decodes + [p], [820] * decodes + [p], matmul_tflops, config)
