@@ -31,11 +31,12 @@ def test_decode_graphs_take_one_token_steps_unless_a_prompt_token_is_scored() ->
     a one-token chunk inside its prompt still needs the hidden states."""
     runner = SimpleNamespace(decode_sizes=batch_size_ladder(16))
 
-    def step(computed: int, logprobs: int | None) -> SchedulerOutput:
+    def decode_size(computed: int, logprobs: int | None) -> int | None:
         request = Request("r", list(range(10, 20)), SamplingParams(prompt_logprobs=logprobs))
-        return SchedulerOutput([ScheduledRequest(request, 1, computed, [0])])
+        step = SchedulerOutput([ScheduledRequest(request, 1, computed, [0])])
+        return ModelRunner._decode_batch_size(runner, step, ModelRunner._prompt_spans(runner, step))
 
-    assert ModelRunner._decode_batch_size(runner, step(10, 2)) == 1
-    assert ModelRunner._decode_batch_size(runner, step(9, 2)) == 1  # the last prompt token
-    assert ModelRunner._decode_batch_size(runner, step(5, 2)) is None
-    assert ModelRunner._decode_batch_size(runner, step(5, None)) == 1
+    assert decode_size(10, 2) == 1
+    assert decode_size(9, 2) == 1  # the last prompt token
+    assert decode_size(5, 2) is None
+    assert decode_size(5, None) == 1

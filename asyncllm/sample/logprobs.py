@@ -88,9 +88,11 @@ def prompt_span(scheduled, flat_start: int) -> PromptSpan | None:
     processor keeps the first copy."""
     request = scheduled.request
     n = request.sampling_params.prompt_logprobs
+    if n is None:  # most requests: the check runs for each of them every step
+        return None
     first = scheduled.num_computed_tokens
     end = min(first + scheduled.num_new_tokens, request.num_prompt_tokens - 1)
-    if n is None or end <= first:
+    if end <= first:
         return None
     targets = request.prompt_token_ids[first + 1 : end + 1]
     return PromptSpan(request.request_id, n, first, flat_start, targets)

@@ -191,7 +191,8 @@ class ModelRunner:
         self._forget(scheduler_output.finished_req_ids)
         # a preempted request's token in flight is dropped: its history restarts from the host
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
-        decode_size = self._decode_batch_size(scheduler_output)
+        prompt_spans = self._prompt_spans(scheduler_output)
+        decode_size = self._decode_batch_size(scheduler_output, prompt_spans)
         mixed_size = None if decode_size is not None else self._mixed_size(scheduler_output)
         whole = self._replays_mixed_graph(scheduler_output, mixed_size)
         inputs = self.input_batch.prepare(
@@ -201,7 +202,6 @@ class ModelRunner:
             pad_tokens_to=mixed_size,
             empty_reqs_to=self.mixed_graphs.capacity(mixed_size) if whole else None,
         )
-        prompt_spans = self._prompt_spans(scheduler_output)
         hidden = None
         if decode_size is not None:
             logits = self._decode_logits(inputs, decode_size)[inputs.logits_indices]
@@ -234,10 +234,12 @@ class ModelRunner:
             self._record_event(),
         )
 
-    def _decode_batch_size(self, scheduler_output: SchedulerOutput) -> int | None:
+    def _decode_batch_size(
+        self, scheduler_output: SchedulerOutput, prompt_spans: list[PromptSpan]
+    ) -> int | None:
         """For a pure-decode step on the GPU, the padded batch size of its CUDA graph; else None.
-        A request's one token that still scores a prompt token (prompt_logprobs) needs the
-        hidden states, which the graphs do not keep.
+        A step that scores prompt tokens (prompt_spans) needs the hidden states, which the
+        graphs do not keep.
 
         With graphs off (enforce_eager) such steps still run padded, with the graphs' metadata,
         so that both modes launch the same kernels and give bit-identical outputs.
@@ -245,7 +247,7 @@ class ModelRunner:
         if not self.decode_sizes:
             return None
         scheduled = scheduler_output.scheduled
-        if any(s.num_new_tokens != 1 or prompt_span(s, 0) is not None for s in scheduled):
+        if prompt_spans or any(s.num_new_tokens != 1 for s in scheduled):
             return None
         return next((size for size in self.decode_sizes if size >= len(scheduled)), None)
 
