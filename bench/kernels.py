@@ -116,18 +116,22 @@ def make_cache(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bench_decode(
     batch: int,
-    context: int,
+    context: int | list[int],
     copy_tbps: float,
     config: AttentionConfig | None = None,
     num_splits: int | None = None,
 ) -> dict:
-    seq_lens = [context] * batch
+    """context: one length for every request, or each request's length in batch order."""
+    seq_lens = [context] * batch if isinstance(context, int) else context
     kv_cache, tables = make_cache(seq_lens)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     out = torch.empty_like(query)
     splits = num_splits or choose_num_splits(
-        batch, NUM_KV_HEADS, context, torch.cuda.get_device_properties(0).multi_processor_count
+        batch,
+        NUM_KV_HEADS,
+        max(seq_lens),
+        torch.cuda.get_device_properties(0).multi_processor_count,
     )
     ms = median_ms(
         lambda: paged_decode_attention(
@@ -137,23 +141,32 @@ def bench_decode(
             lens,
             HEAD_DIM**-0.5,
             out,
-            max_seq_len=context,
+            max_seq_len=max(seq_lens),
             num_splits=splits,
             config=config,
         )
     )
-    nbytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2 + 2 * query.numel() * 2
+    nbytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 + 2 * query.numel() * 2
     tbps = nbytes / ms / 1e9
     config = config or default_decode_config(DTYPE)
     return {
         "batch": batch,
-        "context": context,
+        "context": context if isinstance(context, int) else round(sum(seq_lens) / batch),
         "num_splits": splits,
         "config": vars(config),
         "ms": ms,
         "tbps": tbps,
         "pct_of_copy": 100 * tbps / copy_tbps,
     }
+
+
+def mixed_lengths(batch: int, low: int, high: int, order: str) -> list[int]:
+    """Lengths uniform in [low, high] (seed 0), as drawn or sorted ("drawn", "longest_first",
+    "shortest_first"): a decode batch of the offline workload has lengths this spread."""
+    lengths = torch.randint(low, high + 1, (batch,), generator=torch.Generator().manual_seed(0))
+    if order != "drawn":
+        lengths = lengths.sort(descending=order == "longest_first").values
+    return lengths.tolist()
 
 
 def bench_kv_write(num_tokens: int, copy_tbps: float) -> dict:
@@ -317,6 +330,39 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
                 for splits in (1, 2, 4)
             ],
         ),
+        (
+            # the offline workload's decode batches: do programs of very different lengths
+            # leave SMs idle at the end of the launch (longest first would even that out)?
+            "decode_mixed_lengths",
+            lambda: [
+                {"order": order}
+                | bench_decode(
+                    batch, mixed_lengths(batch, 100, 2048, order), copy_tbps, num_splits=s
+                )
+                for batch in (256, 128)
+                for order in ("drawn", "longest_first", "shortest_first")
+                for s in (1, 2, 4)
+            ],
+        ),
+        (
+            "decode_mixed_lengths_sweep",
+            lambda: [
+                {"order": "drawn"}
+                | bench_decode(batch, mixed_lengths(batch, 100, 2048, "drawn"), copy_tbps, c, s)
+                for batch, s in ((256, 1), (128, 2))
+                for c in DECODE_SWEEP
+            ],
+        ),
+        (
+            # the tile length by batch size, at each batch's default split count
+            "decode_tiles_by_batch",
+            lambda: [
+                {"order": "drawn"}
+                | bench_decode(batch, mixed_lengths(batch, 100, high, "drawn"), copy_tbps, c)
+                for batch, high in ((1, 500), (8, 500), (32, 2048), (64, 2048), (128, 2048))
+                for c in (AttentionConfig(0, 64, 4, 3), AttentionConfig(0, 128, 4, 3))
+            ],
+        ),
         ("kv_write", lambda: [bench_kv_write(n, copy_tbps) for n in (256, 16384)]),
         (
             "prefill",
@@ -374,6 +420,8 @@ def summary(result: dict) -> str:
         f"copy {c['copy_tbps']:.2f} TB/s   bf16 matmul {c['matmul_bf16_tflops']:.0f} TFLOP/s",
     ]
     bandwidth_keys = (
+        "config",
+        "order",
         "batch",
         "context",
         "num_splits",
@@ -397,7 +445,15 @@ def summary(result: dict) -> str:
     )
     for names, keys in (
         (
-            ("decode", "decode_split_k", "decode_mid_batch_splits", "kv_write", "ops"),
+            (
+                "decode",
+                "decode_split_k",
+                "decode_mid_batch_splits",
+                "decode_mixed_lengths",
+                "decode_tiles_by_batch",
+                "kv_write",
+                "ops",
+            ),
             bandwidth_keys,
         ),
         (("prefill", "prefill_mixed", "sdpa_reference"), flop_keys),
@@ -410,7 +466,11 @@ def summary(result: dict) -> str:
                     if k in keys
                 }
                 lines.append(f"{name:16s} {json.dumps(shown)}")
-    for name, key in (("decode_sweep", "tbps"), ("prefill_sweep", "tflops")):
+    for name, key in (
+        ("decode_sweep", "tbps"),
+        ("decode_mixed_lengths_sweep", "tbps"),
+        ("prefill_sweep", "tflops"),
+    ):
         rows = [r for r in _rows(result, name) if key in r]
         if rows:
             best = max(rows, key=lambda r: r[key])

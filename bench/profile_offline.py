@@ -37,6 +37,41 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+def idle_breakdown(kernels: list[tuple[float, float, str]], top: int = 8) -> dict:
+    """Where the GPU sat idle between its first and last kernel ((start, end, name), in
+    microseconds): the idle seconds in each tenth of that span, the gaps by length, and the
+    kernels that most idle time came before (the host was late to launch them)."""
+    kernels = sorted(kernels)
+    first, last = kernels[0][0], max(end for _, end, _ in kernels)
+    tenth = (last - first) / 10
+    by_tenth = [0.0] * 10
+    bins = {"<10us": 0.0, "10-100us": 0.0, "0.1-1ms": 0.0, ">1ms": 0.0}
+    before: dict[str, float] = {}
+    reach = first
+    for start, end, name in kernels:
+        gap = start - reach
+        if gap > 0:
+            by_tenth[min(int((reach - first) / tenth), 9)] += gap / 1e6
+            key = (
+                "<10us"
+                if gap < 10
+                else "10-100us"
+                if gap < 100
+                else "0.1-1ms"
+                if gap < 1e3
+                else ">1ms"
+            )
+            bins[key] += gap / 1e6
+            before[name[:60]] = before.get(name[:60], 0.0) + gap / 1e6
+        reach = max(reach, end)
+    return {
+        "span_s": (last - first) / 1e6,
+        "idle_s_by_tenth_of_span": by_tenth,
+        "idle_s_by_gap_length": bins,
+        "idle_s_before_kernel": dict(sorted(before.items(), key=lambda kv: -kv[1])[:top]),
+    }
+
+
 def dummy_llm(shape: str, max_num_batched_tokens: int) -> LLM:
     """An engine over a benchmark shape with dummy weights."""
     path = write_shape(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")))
@@ -86,6 +121,7 @@ def main() -> None:
         "wall_s_profiled": wall,
         "gpu_busy_s": busy,
         "gpu_idle_fraction": 1 - busy / wall,
+        "idle": idle_breakdown([(e.time_range.start, e.time_range.end, e.name) for e in kernels]),
         "kernels": {name: {"s": s, "calls": n} for name, (s, n) in top},
     }
     print(json.dumps(result, indent=1))
