@@ -16,9 +16,9 @@ def test_decode_batch_sizes_cover_every_batch() -> None:
 
 
 def test_token_counts_cover_steps_up_to_the_cap_with_under_a_quarter_of_padding() -> None:
-    for max_tokens in (100, 512, 1000, 2048, 8192):
+    for max_tokens in (100, 512, 1000, 2048, 3000, 8192, 20000):
         sizes = token_count_ladder(max_tokens)
-        assert sizes == sorted(set(sizes)) and sizes[-1] == min(max_tokens, 2048)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == min(max_tokens, 16384)
         for n in range(1, sizes[-1] + 1):
             size = next(s for s in sizes if s >= n)
             assert size <= max_tokens

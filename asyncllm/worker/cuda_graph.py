@@ -32,12 +32,19 @@ def batch_size_ladder(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-def token_count_ladder(max_tokens: int, cap: int = 2048) -> list[int]:
-    """Token counts for the piecewise graphs: steps of 64 up to 512, of 128 up to 1024, of 256
-    up to cap (padding under 64 tokens, or under a quarter of the step's), and max_tokens itself
-    when it is below cap.
-    Bigger steps run eagerly: their launches cost little next to their compute."""
-    ladder = [*range(64, 512, 64), *range(512, 1024, 128), *range(1024, cap + 1, 256)]
+def token_count_ladder(max_tokens: int, cap: int = 16384) -> list[int]:
+    """Token counts for the graphs of steps with prompt tokens: steps of 64 up to 512, then of
+    128, 256, 512 and 1024 from 512, 1024, 2048 and 4096 on, up to cap (padding under 64
+    tokens, or under a quarter of the step's), and max_tokens itself when it is below cap.
+    Even big steps need graphs: launched eagerly, an 8,192-token step of Qwen3-0.6B took 17-24
+    ms of host time on the H200, more than its GPU time (`bench/NOTES.md`, change 26)."""
+    ladder = [
+        *range(64, 512, 64),
+        *range(512, 1024, 128),
+        *range(1024, 2048, 256),
+        *range(2048, 4096, 512),
+        *range(4096, cap + 1, 1024),
+    ]
     sizes = [size for size in ladder if size < max_tokens and size <= cap]
     return sizes + [max_tokens] if max_tokens <= cap else sizes
 
