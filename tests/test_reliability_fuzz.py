@@ -152,7 +152,7 @@ def check_answer(status: int, raw: bytes, kind: str) -> None:
     assert status == 200 or status in REFUSALS, (status, raw[:300])
     if status != 200:
         assert is_openai_error(orjson.loads(raw)), raw[:300]
-    elif raw.startswith(b"data: "):
+    elif raw.startswith((b"data: ", b":")):  # SSE; a slow request's starts with `: keep-alive`
         check_stream(parse_sse(raw), kind)
     else:
         check_result(orjson.loads(raw), kind)
