@@ -22,8 +22,6 @@ def sample_fused(
 ) -> tuple[torch.Tensor, LogprobsTensors | None]:
     """logits [B, V] float32 contiguous, modified in place -> sampled ids and logprobs."""
     n = meta.max_num_logprobs
-    if meta.all_greedy and meta.no_processors and n is None:
-        return logits.argmax(dim=-1), None
     raw_logprobs = n is not None and logprobs_mode == "raw_logprobs"
     processed_logprobs = n is not None and not raw_logprobs
     raw = logits.clone() if raw_logprobs and meta.allowed is not None else logits

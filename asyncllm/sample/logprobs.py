@@ -113,7 +113,8 @@ def compute_prompt_logprobs(
     chunks = []
     for start in range(0, len(rows), _PROMPT_ROWS_PER_CHUNK):
         part = slice(start, start + _PROMPT_ROWS_PER_CHUNK)
-        logprobs = torch.log_softmax(compute_logits(hidden.index_select(0, rows[part])), dim=-1)
+        logits = compute_logits(hidden.index_select(0, rows[part]))
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         chunks.append(LogprobsTensors.gather(logprobs, targets[part], n).to_host())
     merged = LogprobsTensors(*(torch.cat(ts) for ts in zip(*(c._fields() for c in chunks))))
     per_row = [s.num_logprobs for s in spans for _ in s.target_ids]

@@ -53,8 +53,12 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits [B, V] float32, modified in place -> sampled ids and requested logprobs."""
-        logits = logits.contiguous()  # the sparse updates address it as one flat vector
+        """logits [B, V] in the model's dtype -> sampled ids and requested logprobs. Unless
+        every row just takes the argmax, they are widened to float32 and edited in place (in
+        the caller's tensor if it is float32 already)."""
+        if meta.all_greedy and meta.no_processors and meta.max_num_logprobs is None:
+            return SamplerOutput(logits.argmax(dim=-1), None)  # bf16 to float32 is exact
+        logits = logits.float().contiguous()  # the sparse updates address it as a flat vector
         if meta.fused:
             return SamplerOutput(*sample_fused(logits, meta, self.logprobs_mode))
         source = None  # the distribution logprobs are reported from
