@@ -148,7 +148,7 @@ def bench_decode(
     )
     nbytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 + 2 * query.numel() * 2
     tbps = nbytes / ms / 1e9
-    config = config or default_decode_config(DTYPE)
+    config = config or default_decode_config(DTYPE, batch)
     return {
         "batch": batch,
         "context": context if isinstance(context, int) else round(sum(seq_lens) / batch),

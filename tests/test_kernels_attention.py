@@ -21,6 +21,7 @@ from kernels import (
     paged_prefill_attention,
     reshape_and_cache,
 )
+from kernels.decode_attention import LONG_TILE_MIN_SEQS, default_decode_config
 from kernels.prefill_attention import default_prefill_config, short_query_prefill_config
 
 FULL = torch.cuda.is_available()
@@ -174,6 +175,22 @@ def test_decode_matches_reference(
         num_splits=num_splits,
     )
     assert relative_error(out, reference_attention(query, kv_cache, meta, scale)) < TOLERANCE[dtype]
+
+
+def test_decode_of_a_big_batch_in_long_tiles_matches_reference() -> None:
+    """From LONG_TILE_MIN_SEQS sequences on, 16-bit queries read keys in 128-key tiles."""
+    assert default_decode_config(torch.float16, LONG_TILE_MIN_SEQS).block_n == 128
+    assert default_decode_config(torch.float16, LONG_TILE_MIN_SEQS - 1).block_n == 64
+    rng = random.Random(0)
+    seq_lens = [1, 127, 128, 129, 300] + [
+        rng.randint(1, 300) for _ in range(LONG_TILE_MIN_SEQS - 5)
+    ]
+    query, _, _, kv_cache, meta = make_batch(
+        [1] * len(seq_lens), seq_lens, 4, 2, 64, torch.float16, 16
+    )
+    out = paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    expected = reference_attention(query, kv_cache, meta, 0.125)
+    assert relative_error(out, expected) < TOLERANCE[torch.float16]
 
 
 def test_num_splits_only_when_sms_would_idle() -> None:
