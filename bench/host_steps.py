@@ -23,10 +23,8 @@ import torch
 # run as a script, bench/ comes first on sys.path, where bench/kernels.py would shadow kernels
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from asyncllm import SamplingParams  # noqa: E402
-from asyncllm.models.shapes import SHAPES  # noqa: E402
-from bench.profile_offline import dummy_llm  # noqa: E402
-from bench.throughput import make_workload, time_phases  # noqa: E402
+from bench.profile_offline import add_workload_args, warmed_up_workload  # noqa: E402
+from bench.throughput import time_phases  # noqa: E402
 
 
 def record_steps(llm) -> list[dict]:
@@ -77,21 +75,12 @@ def summarize(steps: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_workload_args(parser)
     parser.add_argument("--first-steps", type=int, default=40, help="steps listed one by one")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    llm = dummy_llm(args.shape, args.max_num_batched_tokens)
-    vocab = SHAPES[args.shape]["vocab_size"]
-    workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab, 0)
-    prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
-    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm, prompts, params = warmed_up_workload(args)
     steps = record_steps(llm)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)

@@ -83,22 +83,34 @@ def dummy_llm(shape: str, max_num_batched_tokens: int) -> LLM:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """bench/throughput.py's offline workload, for one benchmark shape."""
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
 
+
+def warmed_up_workload(args: argparse.Namespace) -> tuple[LLM, list[dict], list[SamplingParams]]:
+    """An engine over the shape with dummy weights, after a short warm-up generation, and the
+    workload's prompts and sampling params."""
     llm = dummy_llm(args.shape, args.max_num_batched_tokens)
     vocab = SHAPES[args.shape]["vocab_size"]
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab, 0)
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return llm, prompts, params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_workload_args(parser)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    llm, prompts, params = warmed_up_workload(args)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
