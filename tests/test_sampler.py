@@ -107,6 +107,26 @@ def test_all_greedy_batch_is_the_argmax() -> None:
     )
 
 
+def test_bf16_logits_sample_as_their_float32_widening() -> None:
+    """The model's bf16 logits: a greedy batch takes their argmax as they are (ties included),
+    and anything that edits or reports works on a float32 copy, leaving them unchanged."""
+    torch.manual_seed(5)
+    logits = (torch.randn(16, 1000) * 4).round().to(torch.bfloat16)  # many ties per row
+    greedy = [SamplingParams(temperature=0)] * 16
+    assert torch.equal(
+        sample(logits, greedy).sampled_token_ids, sample(logits.float(), greedy).sampled_token_ids
+    )
+    params = [SamplingParams(temperature=0, logprobs=3, presence_penalty=0.5)] * 2
+    meta = build([make_request(p, output=(7,)) for p in params])
+    before = logits[:2].clone()
+    ours = Sampler()(logits[:2], meta)
+    widened = Sampler()(before.float(), build([make_request(p, output=(7,)) for p in params]))
+    assert torch.equal(logits[:2], before)
+    assert torch.equal(ours.sampled_token_ids, widened.sampled_token_ids)
+    assert ours.logprobs.token_logprobs.dtype == torch.float32
+    assert torch.equal(ours.logprobs.top_logprobs, widened.logprobs.top_logprobs)
+
+
 def test_a_seeded_request_ignores_the_rest_of_the_batch_and_its_order() -> None:
     vocab = 500
     torch.manual_seed(2)
