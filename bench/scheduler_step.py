@@ -4,7 +4,7 @@ scheduled and prepared before step N's ids come back, so its inputs wait on the 
 
     python bench/scheduler_step.py --out bench/results/scheduler_step_cpu.json
 
-On the H200 these phases take 2.2-4 ms a decode step at 256 requests (`bench/NOTES.md`,
+On the H200 these phases took 3.2-4.4 ms a decode step at 256 requests (`bench/NOTES.md`,
 change 26), beside about 5 ms of GPU work: this times them where a profile can see them.
 """
 
