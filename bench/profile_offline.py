@@ -37,6 +37,9 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+_GAP_BINS = ((10, "<10us"), (100, "10-100us"), (1e3, "0.1-1ms"), (float("inf"), ">1ms"))
+
+
 def idle_breakdown(kernels: list[tuple[float, float, str]], top: int = 8) -> dict:
     """Where the GPU sat idle between its first and last kernel ((start, end, name), in
     microseconds): the idle seconds in each tenth of that span, the gaps by length, and the
@@ -45,22 +48,14 @@ def idle_breakdown(kernels: list[tuple[float, float, str]], top: int = 8) -> dic
     first, last = kernels[0][0], max(end for _, end, _ in kernels)
     tenth = (last - first) / 10
     by_tenth = [0.0] * 10
-    bins = {"<10us": 0.0, "10-100us": 0.0, "0.1-1ms": 0.0, ">1ms": 0.0}
+    bins = {name: 0.0 for _, name in _GAP_BINS}
     before: dict[str, float] = {}
     reach = first
     for start, end, name in kernels:
         gap = start - reach
         if gap > 0:
             by_tenth[min(int((reach - first) / tenth), 9)] += gap / 1e6
-            key = (
-                "<10us"
-                if gap < 10
-                else "10-100us"
-                if gap < 100
-                else "0.1-1ms"
-                if gap < 1e3
-                else ">1ms"
-            )
+            key = next(name for limit, name in _GAP_BINS if gap < limit)
             bins[key] += gap / 1e6
             before[name[:60]] = before.get(name[:60], 0.0) + gap / 1e6
         reach = max(reach, end)

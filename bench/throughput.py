@@ -167,7 +167,7 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
     return result
 
 
-def time_phases(llm: LLM, extra: list[tuple[object, str]] = ()) -> dict[str, float]:
+def time_phases(llm: LLM, extra: tuple[tuple[object, str], ...] = ()) -> dict[str, float]:
     """Wrap the step's phases in timers: where the time of a run goes. On CUDA the GPU runs
     asynchronously, so its busy time shows up in `wait` (the collector thread waiting for a
     step's event) and in synchronous copies; with async scheduling, launch_model (launcher
