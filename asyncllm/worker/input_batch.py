@@ -25,7 +25,9 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # flat row of the last token of each request that samples
+    # flat row of the last token of each request that samples; a slice of the first rows when
+    # every token samples (a decode step), so that picking them copies nothing
+    logits_indices: torch.Tensor | slice
     sampling_rows: list[int]  # scheduled index of each logits row
 
 
@@ -138,7 +140,11 @@ class InputBatch:
         self.block_tables.np[:num_reqs, :width] = self.block_table[rows, :width]
 
         sampling_rows = [i for i, s in enumerate(scheduled) if s.completes_prompt]
-        self.logits_indices.np[: len(sampling_rows)] = cu[sampling_rows] - 1
+        if len(sampling_rows) == num_tokens:  # one token a request, each sampling: rows in order
+            logits_indices: torch.Tensor | slice = slice(0, num_tokens)
+        else:
+            self.logits_indices.np[: len(sampling_rows)] = cu[sampling_rows] - 1
+            logits_indices = self.logits_indices.copy_rows(len(sampling_rows))
 
         padded = pad_to or num_reqs
         if pad_to is not None:
@@ -171,7 +177,7 @@ class InputBatch:
             input_ids=input_ids,
             positions=self.positions.copy_rows(padded_tokens),
             meta=meta,
-            logits_indices=self.logits_indices.copy_rows(len(sampling_rows)),
+            logits_indices=logits_indices,
             sampling_rows=sampling_rows,
         )
 

@@ -204,11 +204,7 @@ class ModelRunner:
         )
         hidden = None
         if decode_size is not None:
-            logits = self._decode_logits(inputs, decode_size)
-            if len(inputs.sampling_rows) == len(scheduler_output.scheduled):
-                logits = logits[: len(inputs.sampling_rows)]  # a view, not a gathered copy
-            else:  # some one-token step is inside its prompt
-                logits = logits[inputs.logits_indices]
+            logits = self._decode_logits(inputs, decode_size)[inputs.logits_indices]
         else:
             hidden = self._mixed_hidden(inputs, mixed_size, whole)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
