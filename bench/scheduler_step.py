@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncllm.config import SchedulerConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from asyncllm.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from asyncllm.core.scheduler import Scheduler  # noqa: E402
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from asyncllm.engine.core import EngineCore  # noqa: E402
 from asyncllm.request import Request  # noqa: E402

@@ -32,7 +32,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.models.model_path import resolve_model_path
+from asyncllm.model_files.model_path import resolve_model_path
 from asyncllm.models.shapes import SHAPES, write_shape
 from asyncllm.worker.model_runner import LaunchedModelStep
 

@@ -2,7 +2,7 @@
 
 f is the elementwise op the decoder layer runs before the GEMM, fused in so that each projection
 is one launch: nothing, RMSNorm (with the residual add), or SiLU-and-mul (asyncllm's layers fuse
-only short rows, see FUSED_MAX_ROW in asyncllm/models/layers/linear.py). x is a single row of a
+only short rows, see FUSED_MAX_ROW in asyncllm/layers/linear.py). x is a single row of a
 few KB, so every program recomputes f on the slice of it that it needs, from L2, next to its
 slice of W. Each program owns two rows of W and reads them whole along K: even 1024-row weights
 give every SM a few programs, so K is never split.

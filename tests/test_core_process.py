@@ -17,8 +17,8 @@ from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.core_client import CoreProcessClient, EngineCoreGone, join_steps
 from asyncllm.engine.core_process import CoreStep, EngineStats
 from asyncllm.engine.output_processor import OutputProcessor
+from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
 from asyncllm.request import Request
-from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -170,7 +170,7 @@ def token_logprobs(token_id: int) -> TokenLogprobs:
 
 
 async def test_steps_that_queued_up_join_per_request() -> None:
-    prompt_chunk = PromptLogprobs(1, [token_logprobs(9)])
+    prompt_chunk = PromptLogprobsChunk(1, [token_logprobs(9)])
     steps = [
         CoreStep(
             [core_output("a", [1], new_logprobs=[token_logprobs(1)])], first_scheduled={"a": 1.0}
@@ -186,7 +186,9 @@ async def test_steps_that_queued_up_join_per_request() -> None:
         CoreStep(
             [
                 core_output("a", [3], new_logprobs=[token_logprobs(3)], finish_reason="length"),
-                core_output("c", [7], new_prompt_logprobs=PromptLogprobs(2, [token_logprobs(7)])),
+                core_output(
+                    "c", [7], new_prompt_logprobs=PromptLogprobsChunk(2, [token_logprobs(7)])
+                ),
             ],
             stats=EngineStats(num_running=2),
         ),

@@ -68,7 +68,7 @@ def train_tiny_tokenizer(byte_level: bool) -> PreTrainedTokenizerFast:
 
 def load_smollm2() -> PreTrainedTokenizerBase:
     try:
-        from asyncllm.models.model_path import resolve_model_path
+        from asyncllm.model_files.model_path import resolve_model_path
 
         path = resolve_model_path(None)
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -10,9 +10,9 @@ from safetensors.numpy import load_file
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncllm.models import gguf_convert
-from asyncllm.models.gguf_convert import CACHE_ENV_VAR, cached_folder, convert_gguf
-from asyncllm.models.model_path import default_gguf_path, resolve_model_path
+from asyncllm.model_files import gguf_convert
+from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, cached_folder, convert_gguf
+from asyncllm.model_files.model_path import default_gguf_path, resolve_model_path
 
 IM_END = 2
 

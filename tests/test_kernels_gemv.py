@@ -13,14 +13,14 @@ import torch.nn.functional as F
 import triton
 
 import kernels
-from asyncllm.models.layers.activation import silu_and_mul
-from asyncllm.models.layers.linear import (
+from asyncllm.layers.activation import silu_and_mul
+from asyncllm.layers.linear import (
     FUSED_MAX_ROW,
     Linear,
     rms_norm_linear,
     silu_and_mul_linear,
 )
-from asyncllm.models.layers.norm import RMSNorm, fused_add_rms_norm, rms_norm
+from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm, rms_norm
 from kernels import gemv, rms_norm_gemv, silu_and_mul_gemv
 from kernels.gemv import GemvConfig, choose_gemv_config
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm.models.layers import activation, norm, rotary
+from asyncllm.layers import activation, norm, rotary
 from kernels import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 
 FULL = torch.cuda.is_available()

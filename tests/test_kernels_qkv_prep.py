@@ -14,8 +14,8 @@ from test_model_vs_hf import CONFIGS, TINY, kv_caches, metadata
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from asyncllm.attention.triton_backend import TritonAttentionBackend
-from asyncllm.models.layers.norm import rms_norm
-from asyncllm.models.layers.rotary import apply_rotary, build_cos_sin_cache
+from asyncllm.layers.norm import rms_norm
+from asyncllm.layers.rotary import apply_rotary, build_cos_sin_cache
 from asyncllm.models.llama import LlamaForCausalLM
 from kernels import norm_rope_and_cache
 

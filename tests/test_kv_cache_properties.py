@@ -7,9 +7,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from asyncllm.config import SchedulerConfig
 from asyncllm.core import kv_cache_manager as kvm
 from asyncllm.core.kv_cache_manager import KVCacheManager, cdiv
-from asyncllm.core.scheduler import Scheduler, SchedulerConfig
+from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.request import Request, RequestStatus
 from asyncllm.sampling_params import SamplingParams

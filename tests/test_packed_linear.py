@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from asyncllm.models.layers.linear import (
+from asyncllm.layers.linear import (
     WARM_UP_MAX_ROWS,
     PackedLinear,
     pack_linear_layers,

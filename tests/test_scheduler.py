@@ -2,13 +2,14 @@ from collections.abc import Callable
 
 import pytest
 
+from asyncllm.config import SchedulerConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request_queue import (
     FCFSRequestQueue,
     PriorityRequestQueue,
     create_request_queue,
 )
-from asyncllm.core.scheduler import Scheduler, SchedulerConfig
+from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.request import Request, RequestStatus
 from asyncllm.sampling_params import SamplingParams

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-from asyncllm.models.layers.norm import RMSNorm
-from asyncllm.models.layers.rotary import RotaryEmbedding
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 
 
 @dataclass

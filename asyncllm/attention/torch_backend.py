@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.models.layers.norm import RMSNorm
-from asyncllm.models.layers.rotary import RotaryEmbedding
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 from kernels.cpu_decode_attention import cpu_decode_attention_available, paged_decode_attention_cpu
 
 T = TypeVar("T")

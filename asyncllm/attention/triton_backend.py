@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.models.layers.norm import RMSNorm
-from asyncllm.models.layers.rotary import RotaryEmbedding
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 from kernels import norm_rope_and_cache, paged_decode_attention, paged_prefill_attention
 from kernels.prefill_attention import short_query_prefill_config
 

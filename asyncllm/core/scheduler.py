@@ -13,30 +13,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from asyncllm.config import SchedulerConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager, cdiv
 from asyncllm.core.request_queue import create_request_queue
 from asyncllm.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from asyncllm.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
-    # when positive, the most tokens one request computes in a step
-    long_prefill_token_threshold: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be non-negative.")
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
 from asyncllm.request import Request
-from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
 
 
 @dataclass
@@ -56,7 +56,7 @@ class ModelRunnerOutput:
     # one entry per scheduled request, where it sampled a token and asked for logprobs
     logprobs: list[TokenLogprobs | None] | None = None
     # request id -> logprobs of the prompt tokens scored this step (prompt_logprobs)
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
     def set_sampled(
         self, rows: list[int], token_ids: list[int], logprobs: list[TokenLogprobs | None] | None

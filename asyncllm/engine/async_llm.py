@@ -30,6 +30,8 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     def __init__(self, engine: EngineParts) -> None:
         self.engine = engine
+        self.config = engine.config
+        self.input_processor = engine.input_processor
         core = engine.core
         self.client: CoreClient = (
             core if isinstance(core, CoreProcessClient) else LocalCoreClient(core)

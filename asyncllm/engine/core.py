@@ -11,8 +11,8 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
 from asyncllm.request import Request, RequestStatus
-from asyncllm.sample.logprobs import PromptLogprobs, TokenLogprobs
 from asyncllm.worker.model_runner import LaunchedModelStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
-    new_prompt_logprobs: PromptLogprobs | None = None
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
 
 
 class EngineCore:

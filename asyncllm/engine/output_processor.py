@@ -18,10 +18,15 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
-from asyncllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from asyncllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    PromptLogprobsChunk,
+    RequestOutput,
+    TokenLogprobs,
+)
 from asyncllm.request import Request
-from asyncllm.sample.logprobs import PromptLogprobs as PromptLogprobsChunk
-from asyncllm.sample.logprobs import TokenLogprobs
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -9,9 +9,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
-from asyncllm.models.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
-from asyncllm.models.layers.norm import RMSNorm
-from asyncllm.models.layers.rotary import RotaryEmbedding
+from asyncllm.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 
 # checkpoint name piece -> (fused parameter, shard index)
 _STACKED = {

@@ -12,7 +12,7 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import ModelConfig
-from asyncllm.models.layers.linear import pack_linear_layers
+from asyncllm.layers.linear import pack_linear_layers
 from asyncllm.models.registry import get_model_class
 
 

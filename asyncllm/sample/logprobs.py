@@ -7,27 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
+
 # prompt positions scored per lm-head call, to bound the [rows, vocab] logits
 _PROMPT_ROWS_PER_CHUNK = 256
-
-
-@dataclass
-class TokenLogprobs:
-    """One position: the chosen token (for a prompt, the actual next token) and the top N."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 for the most likely token
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass
-class PromptLogprobs:
-    """Logprobs of prompt tokens start .. start + len(tokens) - 1 (start >= 1)."""
-
-    start: int
-    tokens: list[TokenLogprobs]
 
 
 @dataclass
@@ -102,7 +85,7 @@ def compute_prompt_logprobs(
     hidden: torch.Tensor,
     spans: list[PromptSpan],
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> dict[str, PromptLogprobs]:
+) -> dict[str, PromptLogprobsChunk]:
     """Raw log-softmax of the model's logits at the spans' positions, a chunk of rows at a time."""
     device = hidden.device
     rows = torch.cat(
@@ -122,6 +105,6 @@ def compute_prompt_logprobs(
     out, offset = {}, 0
     for s in spans:
         tokens = token_rows[offset : offset + len(s.target_ids)]
-        out[s.request_id] = PromptLogprobs(s.first_position + 1, tokens)
+        out[s.request_id] = PromptLogprobsChunk(s.first_position + 1, tokens)
         offset += len(s.target_ids)
     return out

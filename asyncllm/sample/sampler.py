@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.outputs import TokenLogprobs
 from asyncllm.sample.edits import apply_token_edits
 from asyncllm.sample.fused import sample_fused
-from asyncllm.sample.logprobs import LogprobsTensors, TokenLogprobs
+from asyncllm.sample.logprobs import LogprobsTensors
 from asyncllm.sample.metadata import Penalties, SamplingMetadata
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")

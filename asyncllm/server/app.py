@@ -20,7 +20,7 @@ from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncllm.engine.async_llm import AsyncLLM
-from asyncllm.models.model_path import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from asyncllm.model_files.model_path import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.openai_routes import REQUEST_ID, RESPONSE_ID, OpenAIRoutes
 from asyncllm.server.openapi import openapi_spec

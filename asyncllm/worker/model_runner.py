@@ -23,11 +23,11 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from asyncllm.models.layers.linear import warm_up_packed_linears
+from asyncllm.layers.linear import warm_up_packed_linears
 from asyncllm.models.loader import load_model
+from asyncllm.outputs import PromptLogprobsChunk
 from asyncllm.sample.logprobs import (
     LogprobsTensors,
-    PromptLogprobs,
     PromptSpan,
     compute_prompt_logprobs,
     prompt_span,
@@ -82,7 +82,7 @@ class LaunchedModelStep:
     sampling_rows: list[int]
     sampled: SamplerOutput | None  # host tensors, filled once `done` has happened
     meta: SamplingMetadata | None
-    prompt_logprobs: dict[str, PromptLogprobs]
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
     done: torch.cuda.Event | None  # None on CPU, where the step ran to its end already
 
     def wait(self) -> ModelRunnerOutput:

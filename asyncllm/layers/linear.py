@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from asyncllm.models.layers.activation import silu_and_mul
-from asyncllm.models.layers.norm import RMSNorm
+from asyncllm.layers.activation import silu_and_mul
+from asyncllm.layers.norm import RMSNorm
 
 # rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
 _ROWS_HINT = 32
