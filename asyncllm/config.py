@@ -151,6 +151,13 @@ class EngineConfig:
     args: EngineArgs
 
     @property
+    def async_scheduling(self) -> bool:
+        """Schedule step N+1 and process step N's outputs while step N runs: free when the
+        model runs on a GPU, a loss on CPU, where host and model share the same cores."""
+        setting = self.args.async_scheduling
+        return self.model.device.type == "cuda" if setting is None else setting
+
+    @property
     def engine_process(self) -> bool:
         """On a GPU the server's event loop would otherwise hold up every step; on CPU the
         model and the server share the same few cores anyway."""

@@ -48,7 +48,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def our_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    runner = llm.engine.core.model_runner
+    runner = llm.core_client.core.executor.model_runner
     n, bs = len(ids), runner.block_size
     blocks = list(range(-(-n // bs)))
     device = runner.device
@@ -148,7 +148,7 @@ def check_greedy(shape: str, folder: Path) -> dict:
 
 
 def release(llm: LLM) -> None:
-    llm.engine.core.shutdown()
+    llm.core_client.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache()

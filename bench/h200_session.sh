@@ -6,9 +6,10 @@
 #                                         and the cost of a step that takes in a prompt
 #   bench/h200_session.sh pdl OUT         programmatic dependent launch: GPU tests of the kernels
 #                                         and engine it touches, then batch-1 with it off and on
-#   bench/h200_session.sh offline_ab OUT DIR  offline Qwen3-0.6B of another tree (DIR: `git
-#                                         archive REV | tar -x -C DIR` into an untracked folder)
-#                                         and of this one, alternating twice, then a profile of each
+#   bench/h200_session.sh offline_ab OUT DIR  offline Qwen3-0.6B and its batch-1 decode of another
+#                                         tree (DIR: `git archive REV | tar -x -C DIR` into an
+#                                         untracked folder) and of this one, alternating twice
+#   bench/h200_session.sh serving_ab OUT DIR  the serving script on DIR's tree, then on this one
 # Wheels the GPU image lacks (orjson, gguf) travel in .whl/; serving needs the SmolLM2 tokenizer
 # files in .tok/ (the serving benchmark times text). The device returns at most 8 files from its
 # OUT: give these a folder and tar it into OUT.
@@ -19,6 +20,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 workload=(--num-requests 256 --min-len 100 --max-len 1024 --max-model-len 4096
   --max-num-batched-tokens 8192)
+
+serving_model() {  # the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer, in /tmp/q3
+  python3 - <<'PY'
+import json, shutil
+from asyncllm.models.shapes import SHAPES
+config = dict(SHAPES["qwen3-0.6b"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
+shutil.copytree(".tok", "/tmp/q3", dirs_exist_ok=True)
+json.dump(config, open("/tmp/q3/config.json", "w"))
+PY
+}
 
 case $what in
 checks)
@@ -38,14 +49,7 @@ throughput)
     --out "$out/throughput_llama8b_h200.json" | tail -3
   ;;
 serving)
-  python3 - <<'PY'
-import json, shutil
-from asyncllm.models.shapes import SHAPES
-# the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer
-config = dict(SHAPES["qwen3-0.6b"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
-shutil.copytree(".tok", "/tmp/q3", dirs_exist_ok=True)
-json.dump(config, open("/tmp/q3/config.json", "w"))
-PY
+  serving_model
   bench/serving_vs_offline.sh /tmp/q3 "$out" dummy
   # a second sample: the half-load p99 moved from 1.97x to 2.55x its median between two runs
   mkdir -p "$out/repeat" && bench/serving_vs_offline.sh /tmp/q3 "$out/repeat" dummy
@@ -65,16 +69,20 @@ pdl)
   ;;
 offline_ab)
   other=$3
-  ab=(--shape qwen3-0.6b "${workload[@]}" --no-peer)
+  ab=(--shape qwen3-0.6b "${workload[@]}" --no-peer --single-stream)
   for round in 1 2; do  # alternating, so that the order of the runs cannot decide
     (cd "$other" && PYTHONPATH=/tmp/site:$PWD python3 bench/throughput.py "${ab[@]}" \
       --out "$out/throughput_qwen3_ab_other_${round}_h200.json" | tail -1)
     python3 bench/throughput.py "${ab[@]}" --out "$out/throughput_qwen3_ab_this_${round}_h200.json" \
       | tail -1
   done
-  (cd "$other" && PYTHONPATH=/tmp/site:$PWD python3 bench/profile_offline.py \
-    --out "$out/profile_offline_ab_other_h200.json" > /dev/null)
-  python3 bench/profile_offline.py --out "$out/profile_offline_ab_this_h200.json" > /dev/null
+  ;;
+serving_ab)
+  other=$(realpath "$3")
+  serving_model
+  mkdir -p "$out/other" "$out/this"
+  (cd "$other" && PYTHONPATH=/tmp/site:$PWD bench/serving_vs_offline.sh /tmp/q3 "$out/other" dummy)
+  bench/serving_vs_offline.sh /tmp/q3 "$out/this" dummy
   ;;
 esac
 grep -h "engine step failed" "$out"/*.txt "$out"/*.log 2>/dev/null | head -3

@@ -3,7 +3,7 @@ step whose `wait` is near zero found the GPU done, so the host set its pace.
 
     python bench/host_steps.py --out $OUT/host_steps.json
 
-One `LLM.step` with async scheduling launches step N+1 (schedule, launch_model: prepare,
+One `EngineCore.step` with async scheduling launches step N+1 (schedule, execute_model: prepare,
 sampling_metadata, forward) and then finishes step N (wait, update, process); its row is
 labelled with the tokens and requests of the step it launched.
 """
@@ -29,7 +29,7 @@ from bench.throughput import time_phases  # noqa: E402
 
 def record_steps(llm) -> list[dict]:
     """Each LLM step's wall time and phases (ms), appended to the returned list as it runs."""
-    core, runner = llm.engine.core, llm.engine.core.model_runner
+    core, runner = llm.core_client.core, llm.core_client.core.executor.model_runner
     phases = time_phases(llm, ((runner, "_mixed_hidden"), (runner, "_decode_logits")))
     steps: list[dict] = []
     scheduled: list = []  # the step's scheduler output

@@ -28,7 +28,6 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.engine.build import add_request, process_outputs
 from asyncllm.models.shapes import SHAPES
 from bench.profile_offline import busy_seconds, dummy_llm
 
@@ -38,7 +37,7 @@ def timed_steps(llm: LLM, n: int) -> list[float]:
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        process_outputs(llm.engine, llm.engine.core.step())
+        llm.process_step(llm.core_client.get_output())
         times.append(time.perf_counter() - start)
     return times
 
@@ -70,7 +69,7 @@ def profiled(run: Callable[[], object]) -> dict:
 
 
 def host_profiled(run: Callable[[], object], top: int = 25) -> dict:
-    """run() under cProfile: the functions with the most time of their own (engine.step()
+    """run() under cProfile: the functions with the most time of their own (EngineCore.step()
     launches each step from this thread, so the launches' host cost is here)."""
     profiler = cProfile.Profile()
     profiler.enable()
@@ -89,10 +88,10 @@ def host_profiled(run: Callable[[], object], top: int = 25) -> dict:
 
 def add(llm: LLM, request_id: str, prompt: list[int], max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    request, _ = llm.engine.input_processor.process(
+    request, _ = llm.input_processor.process(
         request_id, {"prompt_token_ids": prompt}, params, 0, True
     )
-    add_request(llm.engine, request, None)
+    llm.add_request(request, None)
 
 
 def main() -> None:
@@ -155,7 +154,7 @@ def main() -> None:
         "shape": args.shape,
         "decode_batch": args.batch,
         "prompt_len": args.prompt_len,
-        "async_scheduling": llm.engine.core.async_scheduling,
+        "async_scheduling": llm.config.async_scheduling,
         "median_decode_step_ms": median_decode * 1e3,
         "p99_decode_step_ms": statistics.quantiles(decode, n=100)[98] * 1e3,
         "median_mixed_step_ms": statistics.median(mixed) * 1e3,

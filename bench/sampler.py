@@ -183,8 +183,8 @@ def time_decode_steps(
     params: list[SamplingParams], batch: int, prompt_len: int, steps: int, device: str
 ) -> dict[str, float]:
     """Median ms of an engine step once every request decodes, and of the sampler inside it."""
+
     from asyncllm import LLM
-    from asyncllm.engine.build import add_request
 
     max_model_len = prompt_len + 4 * steps
     llm = LLM(
@@ -197,8 +197,8 @@ def time_decode_steps(
         # room for the whole batch, and no more: the next scenario builds its own engine
         num_kv_blocks=batch * (max_model_len // 16 + 2),
     )
-    core = llm.engine.core
-    runner = core.model_runner
+    core = llm.core_client.core
+    runner = core.executor.model_runner
     sampler_ms: list[float] = []
     real_sampler = runner.sampler
     device_of_runner = runner.device
@@ -219,16 +219,19 @@ def time_decode_steps(
         overrides = {"max_tokens": 3 * steps, "min_tokens": min(p.min_tokens, 3 * steps)}
         p = SamplingParams(**{**p.__dict__, **overrides, "ignore_eos": True, "bad_words": None})
         prompt = [rng.randrange(100, 150000) for _ in range(prompt_len)]
-        request, _ = llm.engine.input_processor.process(str(i), {"prompt_token_ids": prompt}, p)
-        add_request(llm.engine, request, None)
+        request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": prompt}, p)
+        llm.add_request(request, None)
     step_ms, sampler_in_step_ms = [], []
-    while core.has_unfinished_requests() and len(step_ms) < steps:
+    has_work = True
+    while has_work and len(step_ms) < steps:
         decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in core.scheduler.running)
         decoding = decoding and core.scheduler.num_running == batch
         sampler_ms.clear()
         sync(runner.device)
         start = time.perf_counter()
-        llm.engine.output_processor.process(core.step())
+        step = llm.core_client.get_output()
+        has_work = step.has_work
+        llm.process_step(step)
         sync(runner.device)
         if decoding:
             step_ms.append((time.perf_counter() - start) * 1e3)
@@ -239,7 +242,7 @@ def time_decode_steps(
         "sampler_in_step_ms": statistics.median(sampler_in_step_ms[warm:]),
     }
     runner.sampler = real_sampler
-    core.shutdown()
+    llm.core_client.shutdown()
     del llm, core, runner
     gc.collect()
     if torch.cuda.is_available():

@@ -153,7 +153,7 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
     result = {
         "seconds": elapsed,
         "output_tokens_per_s": produced / elapsed,
-        "async_scheduling": llm.engine.core.async_scheduling,
+        "async_scheduling": llm.config.async_scheduling,
         "triton_kernels_compiled_during_run": compiled,
     }
     if phases is not None:
@@ -170,8 +170,9 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
 def time_phases(llm: LLM, extra: tuple[tuple[object, str], ...] = ()) -> dict[str, float]:
     """Wrap the step's phases in timers: where the time of a run goes. On CUDA the GPU runs
     asynchronously, so its busy time shows up in `wait` (the collector thread waiting for a
-    step's event) and in synchronous copies; with async scheduling, launch_model (launcher
-    thread) overlaps schedule, _update and process (the caller's thread) and the GPU."""
+    step's event) and in synchronous copies; with async scheduling, the GPU runs step N while
+    the caller's thread launches step N+1 (schedule, execute_model) and takes in step N
+    (_update, process)."""
     totals: dict[str, float] = collections.defaultdict(float)
 
     def timed(owner: object, name: str) -> None:
@@ -186,16 +187,16 @@ def time_phases(llm: LLM, extra: tuple[tuple[object, str], ...] = ()) -> dict[st
 
         setattr(owner, name, wrapper)
 
-    core = llm.engine.core
-    runner = core.model_runner
+    core = llm.core_client.core
+    runner = core.executor.model_runner
     for owner, name in [
         (core.scheduler, "schedule"),
-        (runner, "launch_model"),
+        (runner, "execute_model"),
         (runner.input_batch, "prepare"),
         (runner, "_sampling_metadata"),
         (LaunchedModelStep, "wait"),
         (core, "_update"),
-        (llm.engine.output_processor, "process"),
+        (llm.output_processor, "process"),
         *extra,
     ]:
         timed(owner, name)

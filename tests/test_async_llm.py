@@ -45,40 +45,40 @@ async def test_concurrent_requests_all_complete(engine) -> None:
         *(collect(engine, f"prompt {i}", params, f"c{i}") for i in range(10))
     )
     assert all(r[-1].finished and len(r[-1].outputs[0].token_ids) == 6 for r in results)
-    assert engine.engine.core.kv_cache_manager.usage == 0
+    assert engine.core_client.core.kv_cache_manager.usage == 0
 
 
 async def test_abort_frees_blocks(engine) -> None:
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     stream = engine.generate("long one", params, "victim")
     await anext(stream)
-    assert engine.engine.core.kv_cache_manager.usage > 0
+    assert engine.core_client.core.kv_cache_manager.usage > 0
     engine.abort("victim")
     await stream.aclose()
-    await _until(lambda: not engine.engine.core.has_unfinished_requests())
-    assert engine.engine.core.kv_cache_manager.usage == 0
+    await _until(lambda: not engine.core_client.core.scheduler.has_unfinished_requests())
+    assert engine.core_client.core.kv_cache_manager.usage == 0
 
 
 async def test_leaving_the_stream_early_aborts_the_request(engine) -> None:
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     async for _ in engine.generate("go on", params, "quitter"):
         break
-    await _until(lambda: not engine.engine.core.has_unfinished_requests())
-    assert engine.engine.core.kv_cache_manager.usage == 0
+    await _until(lambda: not engine.core_client.core.scheduler.has_unfinished_requests())
+    assert engine.core_client.core.kv_cache_manager.usage == 0
 
 
 async def test_event_loop_stays_responsive_while_the_model_computes(engine, monkeypatch) -> None:
     """Each step takes 300 ms in the runner's thread; a 10 ms ticker must keep ticking."""
     # one request first, so one-time set-up on the loop (tokenizer, decoder) is not measured
     await collect(engine, "warm up", SamplingParams(max_tokens=2, ignore_eos=True), "warm")
-    runner = engine.engine.core.model_runner
-    real_execute = runner.launch_model
+    runner = engine.core_client.core.executor.model_runner
+    real_execute = runner.execute_model
 
     def slow_execute(scheduler_output):
         time.sleep(0.3)
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "launch_model", slow_execute)
+    monkeypatch.setattr(runner, "execute_model", slow_execute)
     slow = collect(engine, "hi", SamplingParams(max_tokens=3, ignore_eos=True), "slow")
     _, gaps = await ticking_while(slow, 0.01)
     assert sum(gaps) >= 0.9  # three steps of 300 ms ran while the ticker was alive

@@ -9,7 +9,6 @@ from test_scheduler import fake_run, make_request, make_scheduler
 
 from asyncllm import LLM, AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from asyncllm.engine.build import add_request
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch
 
 PROMPTS = ["Tell me a story", "The weather today", "One two three", "A B C D E F G"]
@@ -17,7 +16,7 @@ PROMPTS = ["Tell me a story", "The weather today", "One two three", "A B C D E F
 
 def outputs(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list:
     results = llm.generate(prompts, params, use_tqdm=False)
-    core = llm.engine.core
+    core = llm.core_client.core
     assert core.kv_cache_manager.usage == 0 and not core.has_work()
     return [[(c.text, c.token_ids, c.finish_reason) for c in r.outputs] for r in results]
 
@@ -25,7 +24,7 @@ def outputs(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list:
 def test_async_scheduling_gives_the_serial_outputs(tiny_model_dir) -> None:
     serial = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=False)
     ahead = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
-    assert ahead.engine.core.async_scheduling and not serial.engine.core.async_scheduling
+    assert ahead.config.async_scheduling and not serial.config.async_scheduling
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     texts = [c[0][0] for c in outputs(serial, PROMPTS, [free] * len(PROMPTS))]
     params = [
@@ -50,7 +49,7 @@ def test_async_scheduling_under_preemption_matches_an_unpressured_run(tiny_model
         model=str(tiny_model_dir), max_model_len=512, async_scheduling=True, num_kv_blocks=12
     )
     assert outputs(tight, prompts, [params] * 4) == outputs(roomy, prompts, [params] * 4)
-    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert tight.core_client.core.scheduler.num_preemptions > 0
 
 
 @pytest.fixture
@@ -70,7 +69,7 @@ async def test_async_scheduling_streams_to_the_end_and_aborts(ahead_engine) -> N
         if len(output.outputs[0].token_ids) >= 3:
             ahead_engine.abort("long")
             break
-    core = ahead_engine.engine.core
+    core = ahead_engine.core_client.core
     for _ in range(500):
         if not core.has_work():
             break
@@ -126,12 +125,13 @@ def test_input_batch_takes_a_token_still_on_the_device() -> None:
 
 def test_a_failed_step_spares_the_requests_new_in_the_step_behind_it(tiny_model_dir) -> None:
     llm = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
-    core, runner = llm.engine.core, llm.engine.core.model_runner
+    client = llm.core_client
+    runner = client.core.executor.model_runner
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def add(request_id: str, prompt: str) -> None:
-        request, _ = llm.engine.input_processor.process(request_id, prompt, params)
-        add_request(llm.engine, request, None)
+        request, _ = llm.make_request(request_id, prompt, params)
+        llm.add_request(request, None)
 
     real_sampler, calls = runner.sampler, []
 
@@ -143,16 +143,18 @@ def test_a_failed_step_spares_the_requests_new_in_the_step_behind_it(tiny_model_
 
     runner.sampler = sampler_failing_at_step_4
     add("a", "one two three")
-    for _ in range(4):  # steps 1-4 launched, 1-3 taken in
-        assert all(o.finish_reason is None for o in core.step())
+    for _ in range(3):  # steps 1-4 launched (two in flight), 1-3 taken in
+        assert all(o.finish_reason is None for o in client.get_output().outputs)
     add("b", "four five six")
-    outputs = core.step()  # launches a step with "a" (scheduled ahead) and "b"; the failure
+    # launches a step with "a" (scheduled ahead) and "b", then takes in the failed step 4
+    outputs = client.get_output().outputs
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error")]
-    b_tokens, finish = [], None
-    while core.has_work():
-        for o in core.step():
+    b_tokens, finish, step = [], None, None
+    while step is None or step.has_work:
+        step = client.get_output()
+        for o in step.outputs:
             assert o.request_id == "b"
             b_tokens += o.new_token_ids
             finish = o.finish_reason or finish
     assert (len(b_tokens), finish) == (8, "length")
-    assert core.kv_cache_manager.usage == 0
+    assert client.core.kv_cache_manager.usage == 0

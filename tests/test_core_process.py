@@ -13,12 +13,10 @@ import transformers
 
 from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 from asyncllm.engine.async_llm import EngineDeadError
-from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.core_client import CoreProcessClient, EngineCoreGone, join_steps
-from asyncllm.engine.core_process import CoreStep, EngineStats
+from asyncllm.engine.messages import CoreStep, EngineCoreOutput, EngineCoreRequest, EngineStats
 from asyncllm.engine.output_processor import OutputProcessor
 from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
-from asyncllm.request import Request
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -32,12 +30,12 @@ async def engines(tiny_model_dir):
     """(core in its own process, core in this process) over the same tiny model."""
     spawned = AsyncLLM.from_engine_args(engine_args(tiny_model_dir, engine_process=True))
     local = AsyncLLM.from_engine_args(engine_args(tiny_model_dir))
-    assert isinstance(spawned.engine.core, CoreProcessClient)
-    assert not isinstance(local.engine.core, CoreProcessClient)
+    assert isinstance(spawned.core_client, CoreProcessClient)
+    assert not isinstance(local.core_client, CoreProcessClient)
     yield spawned, local
     await spawned.shutdown()
     await local.shutdown()
-    assert spawned.engine.core.process.poll() == 0
+    assert spawned.core_client.process.poll() == 0
 
 
 async def collect(engine, prompt, params, request_id):
@@ -134,7 +132,7 @@ async def test_a_request_the_kv_cache_could_never_hold_is_refused(
     too_long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     with pytest.raises(ValueError, match="needs up to 7 KV cache blocks, the cache has 4"):
         await collect(engine, "x" * 20, too_long, "big")
-    assert not engine.collectors and not engine.engine.output_processor.states
+    assert not engine.collectors and not engine.output_processor.states
     fits = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     assert len((await collect(engine, "hi", fits, "small"))[-1].outputs[0].token_ids) == 5
     await engine.shutdown()
@@ -152,7 +150,7 @@ async def test_a_dead_core_ends_the_requests_in_flight(tiny_model_dir) -> None:
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     stream = engine.generate("doomed", params, "doomed")
     await anext(stream)
-    os.kill(engine.engine.core.process.pid, signal.SIGKILL)
+    os.kill(engine.core_client.process.pid, signal.SIGKILL)
     with pytest.raises(EngineDeadError, match="exited with code -9"):
         async for _ in stream:
             pass
@@ -173,7 +171,9 @@ async def test_steps_that_queued_up_join_per_request() -> None:
     prompt_chunk = PromptLogprobsChunk(1, [token_logprobs(9)])
     steps = [
         CoreStep(
-            [core_output("a", [1], new_logprobs=[token_logprobs(1)])], first_scheduled={"a": 1.0}
+            [core_output("a", [1], new_logprobs=[token_logprobs(1)])],
+            EngineStats(),
+            first_scheduled={"a": 1.0},
         ),
         CoreStep(
             [
@@ -181,6 +181,7 @@ async def test_steps_that_queued_up_join_per_request() -> None:
                 core_output("a", [2], new_logprobs=[token_logprobs(2)]),
                 core_output("c", [], new_prompt_logprobs=prompt_chunk),
             ],
+            EngineStats(),
             first_scheduled={"b": 2.0},
         ),
         CoreStep(
@@ -217,7 +218,7 @@ async def test_a_stop_string_inside_joined_tokens_ends_the_request_at_its_token(
     words = tokenizer.encode(" one two three four five", add_special_tokens=False)
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(stop=[" three"], max_tokens=50, logprobs=0)
-    request = Request("s", tokenizer.encode("count:"), params, max_tokens=50)
+    request = EngineCoreRequest("s", tokenizer.encode("count:"), params, frozenset(), 50, 0.0)
     processor.add_request(request, "count:")
     logprobs = [token_logprobs(t) for t in words]
     processed = processor.process([core_output("s", words, new_logprobs=logprobs)])

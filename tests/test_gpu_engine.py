@@ -46,8 +46,8 @@ def greedy(path, **kwargs) -> list[list[int]]:
     llm = LLM(model=str(path), kv_cache_memory=KV_CACHE_BYTES, dtype="float32", **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts(), params, use_tqdm=False)
-    assert llm.engine.core.kv_cache_manager.usage == 0
-    llm.engine.core.shutdown()
+    assert llm.core_client.core.kv_cache_manager.usage == 0
+    llm.core_client.shutdown()
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -65,7 +65,7 @@ def test_triton_backend_matches_torch_backend_in_fp32(qwen3_dir) -> None:
 
 def test_runner_uses_graphs_for_decode(qwen3_dir) -> None:
     llm = LLM(model=str(qwen3_dir), kv_cache_memory=KV_CACHE_BYTES, max_num_seqs=16)
-    runner = llm.engine.core.model_runner
+    runner = llm.core_client.core.executor.model_runner
     assert runner.cuda_graphs is not None and runner.stream is not None
     replays = []
     real = runner.cuda_graphs.replay
@@ -83,7 +83,7 @@ def run_with_logprobs(path, max_num_batched_tokens: int, **kwargs):
         max_num_seqs=16,
         **kwargs,
     )
-    runner = llm.engine.core.model_runner
+    runner = llm.core_client.core.executor.model_runner
     replays = []
     if runner.mixed_graphs is not None:
         whole = runner.mixed_graphs.replay
@@ -98,8 +98,8 @@ def run_with_logprobs(path, max_num_batched_tokens: int, **kwargs):
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
     ]
     outputs = llm.generate(prompts(), [params[i % 2] for i in range(12)], use_tqdm=False)
-    assert llm.engine.core.kv_cache_manager.usage == 0
-    llm.engine.core.shutdown()
+    assert llm.core_client.core.kv_cache_manager.usage == 0
+    llm.core_client.shutdown()
     return [
         (o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs
     ], replays

@@ -12,8 +12,9 @@ from test_reliability_support import rss_kib
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.engine import core_client, core_process
-from asyncllm.engine.core_process import CoreLoop, Ready, Shutdown, run_core_process
+from asyncllm.engine.core_process import run_core_loop, run_core_process
 from asyncllm.engine.heap import _malloc_trim, freeze_startup_objects, release_freed_memory
+from asyncllm.engine.messages import KVCapacity, Ready, Shutdown
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="needs glibc's malloc_trim")
@@ -56,7 +57,7 @@ def test_the_core_process_releases_memory_only_when_it_waits(monkeypatch, messag
         messages.put(Shutdown())
     else:
         threading.Timer(0.05, messages.put, [Shutdown()]).start()
-    CoreLoop(IdleCore(), outbox=None).run(messages)
+    run_core_loop(IdleCore(), messages, emit=None)
     assert len(releases) == (0 if message_waiting else 1)
 
 
@@ -82,7 +83,7 @@ class FakePipe:
 
 
 class FakeCore:
-    kv_cache_manager = SimpleNamespace(num_blocks=8, block_size=16)
+    capacity = KVCapacity(num_blocks=8, block_size=16)
 
     def __init__(self, config) -> None:
         pass
@@ -96,6 +97,6 @@ def test_the_core_process_freezes_its_startup_objects_before_it_reports_ready(mo
     monkeypatch.setattr(core_process, "EngineCore", FakeCore)
     monkeypatch.setattr(core_process, "freeze_startup_objects", lambda: events.append("freeze"))
     monkeypatch.setattr(core_process, "_receive_in_thread", lambda inbox: None)
-    monkeypatch.setattr(core_process.CoreLoop, "run", lambda self, messages: None)
+    monkeypatch.setattr(core_process, "run_core_loop", lambda core, messages, emit: None)
     run_core_process(FakePipe(events), FakePipe(events))
     assert events == ["freeze", Ready.__name__]

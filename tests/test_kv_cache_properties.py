@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from asyncllm.config import SchedulerConfig
 from asyncllm.core import kv_cache_manager as kvm
 from asyncllm.core.kv_cache_manager import KVCacheManager, cdiv
-from asyncllm.core.scheduler import Scheduler
+from asyncllm.core.scheduler import Scheduler, check_fits
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.request import Request, RequestStatus
 from asyncllm.sampling_params import SamplingParams
@@ -187,7 +187,10 @@ def run_ops(ops, config: SchedulerConfig, manager: KVCacheManager) -> None:
                 priority=priority,
             )
             counter += 1
-            try:
+            try:  # what the front end checks before a request reaches the scheduler
+                if len(prompt) > config.max_model_len:
+                    raise ValueError("the input processor refuses a prompt over max_model_len")
+                check_fits(len(prompt), max_tokens, config, manager.num_blocks, manager.block_size)
                 scheduler.add_request(request)
             except ValueError:
                 assert can_never_run(request, config, manager)

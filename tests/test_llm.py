@@ -11,7 +11,7 @@ def llm(tiny_model_dir):
 
 
 def kv_usage(llm: LLM) -> float:
-    return llm.engine.core.kv_cache_manager.usage
+    return llm.core_client.core.kv_cache_manager.usage
 
 
 def test_generate_returns_outputs_in_prompt_order(llm) -> None:
@@ -45,7 +45,7 @@ def test_preemption_gives_identical_outputs(tiny_model_dir) -> None:
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     tight = LLM(model=str(tiny_model_dir), max_model_len=512, num_kv_blocks=24, block_size=4)
     outputs = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert tight.core_client.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert kv_usage(tight) == 0
 
@@ -56,7 +56,7 @@ def test_long_prefill_token_threshold_spreads_a_prompt_over_steps(llm, tiny_mode
     prompts = ["a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2, "hello"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     capped = LLM(model=str(tiny_model_dir), max_model_len=512, long_prefill_token_threshold=16)
-    assert capped.engine.core.scheduler.config.long_prefill_token_threshold == 16
+    assert capped.core_client.core.scheduler.config.long_prefill_token_threshold == 16
     outputs = capped.generate(prompts, params, use_tqdm=False)
     expected = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
@@ -66,11 +66,12 @@ def test_long_prefill_token_threshold_spreads_a_prompt_over_steps(llm, tiny_mode
 def test_shared_prefix_is_computed_once(llm) -> None:
     prefix = "You are a helpful assistant. " * 8
     llm.generate(prefix + "First question?", SamplingParams(max_tokens=2), use_tqdm=False)
-    hits_before = llm.engine.core.kv_cache_manager.prefix_cache_hits
+    hits_before = llm.core_client.core.kv_cache_manager.prefix_cache_hits
     (output,) = llm.generate(prefix + "Second one?", SamplingParams(max_tokens=2), use_tqdm=False)
     assert output.num_cached_tokens >= 32
     assert (
-        llm.engine.core.kv_cache_manager.prefix_cache_hits - hits_before == output.num_cached_tokens
+        llm.core_client.core.kv_cache_manager.prefix_cache_hits - hits_before
+        == output.num_cached_tokens
     )
 
 
@@ -108,20 +109,20 @@ def test_eos_stops_unless_ignored(llm) -> None:
         eos_prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )
     first = free_run.outputs[0].token_ids[0]
-    core = llm.engine.core
-    saved = llm.engine.input_processor.model_config.eos_token_ids
-    llm.engine.input_processor.model_config.eos_token_ids = frozenset({first})
+    core = llm.core_client.core
+    saved = llm.input_processor.model_config.eos_token_ids
+    llm.input_processor.model_config.eos_token_ids = frozenset({first})
     try:
         (stopped,) = llm.generate(eos_prompt, params, use_tqdm=False)
         (ignored,) = llm.generate(
             eos_prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
         )
     finally:
-        llm.engine.input_processor.model_config.eos_token_ids = saved
+        llm.input_processor.model_config.eos_token_ids = saved
     assert stopped.outputs[0].token_ids == [first]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason is None
     assert len(ignored.outputs[0].token_ids) == 8
-    assert not core.has_unfinished_requests()
+    assert not core.has_work()
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm) -> None:
@@ -170,7 +171,7 @@ def test_progress_bar_reports_every_prompt(llm, capsys) -> None:
 def test_bad_prompts_raise_before_reaching_the_engine(llm, prompt, params, field) -> None:
     with pytest.raises(ValueError, match=field):
         llm.generate(prompt, params, use_tqdm=False)
-    assert not llm.engine.core.has_unfinished_requests()
+    assert not llm.core_client.core.scheduler.has_unfinished_requests()
     assert kv_usage(llm) == 0
 
 

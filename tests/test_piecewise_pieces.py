@@ -13,7 +13,7 @@ from asyncllm.worker.cuda_graph import PiecewiseGraphRunner
 
 def test_pieces_and_attention_compose_to_the_forward_pass(tiny_model_dir) -> None:
     llm = LLM(model=str(tiny_model_dir), max_model_len=512, max_num_batched_tokens=256)
-    runner = llm.engine.core.model_runner
+    runner = llm.core_client.core.executor.model_runner
     model, kv_caches = runner.model, runner.kv_caches
     pieces = PiecewiseGraphRunner(model, kv_caches, runner.input_batch, [64, 128], None)
     prompt = Request("p", list(range(100, 150)), SamplingParams(), max_tokens=4)

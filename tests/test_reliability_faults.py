@@ -84,7 +84,7 @@ async def test_a_runner_fault_fails_that_steps_requests_and_frees_their_blocks(
 async def test_a_sampler_fault_fails_that_steps_requests_and_frees_their_blocks(
     engine, monkeypatch
 ) -> None:
-    runner = engine.engine.core.model_runner
+    runner = engine.core_client.core.executor.model_runner
     real_sampler, calls = runner.sampler, []
 
     def sampler(logits, meta):
@@ -124,7 +124,7 @@ async def test_a_dead_engine_ends_every_stream_and_fails_health(tiny_model_dir) 
 
 
 async def check_dead_engine(engine: AsyncLLM) -> None:
-    scheduler = engine.engine.core.scheduler
+    scheduler = engine.core_client.core.scheduler
     real_schedule, steps = scheduler.schedule, []
 
     def schedule():

@@ -89,7 +89,7 @@ async def test_a_full_queue_gives_503_with_retry_after(engine) -> None:
     async with serving(engine, max_waiting_requests=1) as (url, _), aiohttp.ClientSession() as s:
         running = await start_stream(s, url)
         queued = asyncio.ensure_future(s.post(f"{url}/v1/completions", json=LONG))
-        await until(lambda: engine.engine.core.scheduler.num_waiting == 1)
+        await until(lambda: engine.core_client.core.scheduler.num_waiting == 1)
         latencies, refused = await timed_refusals(s, url, 20)
         assert {r.status for r in refused} == {503}
         assert all(r.headers["Retry-After"] == "1" for r in refused)

@@ -27,8 +27,8 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 def patch_runner(engine: AsyncLLM, monkeypatch, seconds: float = 0.0, fail_on: set[int] = frozenset()) -> list[int]:  # fmt: skip
     """Each model step sleeps `seconds` (in the runner thread); the steps numbered in fail_on
     (1-based) raise instead. Returns the list of step numbers run so far."""
-    runner = engine.engine.core.model_runner
-    real_execute = runner.launch_model
+    runner = engine.core_client.core.executor.model_runner
+    real_execute = runner.execute_model
     steps: list[int] = []
 
     def execute(scheduler_output):
@@ -38,7 +38,7 @@ def patch_runner(engine: AsyncLLM, monkeypatch, seconds: float = 0.0, fail_on: s
             raise RuntimeError("injected fault: the device fell over")
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "launch_model", execute)
+    monkeypatch.setattr(runner, "execute_model", execute)
     return steps
 
 
@@ -61,8 +61,8 @@ def is_openai_error(body: Any) -> bool:
 
 
 def engine_is_idle(engine: AsyncLLM) -> bool:
-    core = engine.engine.core
-    return not core.has_unfinished_requests() and core.kv_cache_manager.usage == 0
+    core = engine.core_client.core
+    return not core.has_work() and core.kv_cache_manager.usage == 0
 
 
 def rss_kib(pid: int) -> int:

@@ -38,13 +38,13 @@ def test_n_returns_n_indexed_completions(llm) -> None:
     assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in output.outputs)
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1
     assert output.num_generated_tokens == 18
-    assert not llm.engine.core.has_unfinished_requests()
-    assert llm.engine.core.kv_cache_manager.usage == 0
+    assert not llm.core_client.core.scheduler.has_unfinished_requests()
+    assert llm.core_client.core.kv_cache_manager.usage == 0
 
 
 def test_parallel_samples_share_the_prompt_blocks(llm) -> None:
     prompt = {"prompt_token_ids": list(range(100, 150))}  # 3 full blocks of 16
-    manager = llm.engine.core.kv_cache_manager
+    manager = llm.core_client.core.kv_cache_manager
     hits_before = manager.prefix_cache_hits
     generate_one(llm, prompt, n=4, max_tokens=3, ignore_eos=True)
     assert manager.prefix_cache_hits - hits_before == 3 * 48
@@ -122,7 +122,7 @@ def test_min_tokens_holds_back_eos(llm) -> None:
         .outputs[0]
         .token_ids[0]
     )
-    config = llm.engine.input_processor.model_config
+    config = llm.input_processor.model_config
     saved, config.eos_token_ids = config.eos_token_ids, frozenset({first})
     try:
         held = generate_one(llm, prompt, temperature=0, max_tokens=10, min_tokens=4)
@@ -169,7 +169,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
 def test_values_beyond_the_model_name_the_field(llm, kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         llm.generate("hi", SamplingParams(**kwargs), use_tqdm=False)
-    assert not llm.engine.core.has_unfinished_requests()
+    assert not llm.core_client.core.scheduler.has_unfinished_requests()
 
 
 async def test_async_n_streams_and_aborting_the_parent_aborts_every_sample(tiny_model_dir) -> None:
@@ -193,15 +193,15 @@ async def test_async_n_streams_and_aborting_the_parent_aborts_every_sample(tiny_
         stream = engine.generate("go on", long, "victim")
         await anext(stream)
         await anext(stream)
-        core = engine.engine.core
-        assert core.scheduler.get_num_unfinished_requests() == 3
+        core = engine.core_client.core
+        assert core.scheduler.num_running + core.scheduler.num_waiting == 3
         engine.abort("victim")
         await stream.aclose()
         for _ in range(500):
-            if not core.has_unfinished_requests():
+            if not core.has_work():
                 break
             await asyncio.sleep(0.01)
-        assert not core.has_unfinished_requests()
+        assert not core.has_work()
         assert core.kv_cache_manager.usage == 0
     finally:
         await engine.shutdown()

@@ -9,7 +9,7 @@ from asyncllm.core.request_queue import (
     PriorityRequestQueue,
     create_request_queue,
 )
-from asyncllm.core.scheduler import Scheduler
+from asyncllm.core.scheduler import Scheduler, check_fits
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.request import Request, RequestStatus
 from asyncllm.sampling_params import SamplingParams
@@ -159,11 +159,22 @@ def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits():
     assert scheduler.num_waiting == 1
 
 
+def fits(scheduler: Scheduler, request: Request) -> None:
+    manager = scheduler.kv_cache_manager
+    check_fits(
+        request.num_prompt_tokens,
+        request.max_tokens,
+        scheduler.config,
+        manager.num_blocks,
+        manager.block_size,
+    )
+
+
 def test_without_chunked_prefill_a_request_longer_than_the_budget_is_rejected():
     scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="chunked prefill"):
-        scheduler.add_request(make_request("a", 6, max_tokens=4))  # 9 tokens after preemption
-    scheduler.add_request(make_request("b", 6, max_tokens=3))
+        fits(scheduler, make_request("a", 6, max_tokens=4))  # 9 tokens after preemption
+    fits(scheduler, make_request("b", 6, max_tokens=3))
 
 
 def test_long_prefill_token_threshold_caps_a_chunk():
@@ -285,14 +296,8 @@ def test_a_request_alone_without_room_preempts_itself_and_resumes():
 def test_a_request_that_can_never_fit_is_rejected():
     scheduler = make_scheduler(num_blocks=2)
     with pytest.raises(ValueError, match="blocks"):
-        scheduler.add_request(make_request("a", 4, max_tokens=6))
-    scheduler.add_request(make_request("b", 4, max_tokens=5))  # 8 tokens computed at most
-
-
-def test_a_prompt_longer_than_max_model_len_is_rejected():
-    scheduler = make_scheduler(max_model_len=8)
-    with pytest.raises(ValueError, match="max_model_len"):
-        scheduler.add_request(make_request("a", 9))
+        fits(scheduler, make_request("a", 4, max_tokens=6))
+    fits(scheduler, make_request("b", 4, max_tokens=5))  # 8 tokens computed at most
 
 
 # priority policy
@@ -368,7 +373,6 @@ def test_finish_requests_frees_blocks_and_reports_the_id_next_step():
     assert scheduler.kv_cache_manager.num_free_blocks == 8
     assert not scheduler.has_unfinished_requests()
     assert scheduler.get_request("a") is None
-    assert scheduler.has_requests()
     assert scheduler.schedule().finished_req_ids == {"a"}
     assert scheduler.schedule().finished_req_ids == set()
 
@@ -380,7 +384,7 @@ def test_finish_requests_removes_a_waiting_request():
     step(scheduler)
     scheduler.finish_requests(["b", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert scheduler.num_waiting == 0
-    assert scheduler.get_num_unfinished_requests() == 1
+    assert scheduler.num_running == 1
 
 
 def test_finish_requests_needs_a_finished_status():
@@ -473,4 +477,4 @@ def test_finished_requests_free_their_blocks_and_are_reported_once():
     assert scheduler.kv_cache_manager.num_free_blocks == 8
     assert scheduler.num_running == 0
     assert scheduler.schedule().finished_req_ids == {"a"}
-    assert not scheduler.has_requests()
+    assert scheduler.schedule().finished_req_ids == set()

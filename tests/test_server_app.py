@@ -30,8 +30,8 @@ async def engine(tiny_model_dir):
 
 
 def slow_down(engine: AsyncLLM, monkeypatch, seconds: float, fail_on_call: int = 0) -> None:
-    runner = engine.engine.core.model_runner
-    real_execute = runner.launch_model
+    runner = engine.core_client.core.executor.model_runner
+    real_execute = runner.execute_model
     calls = 0
 
     def execute(scheduler_output):
@@ -42,7 +42,7 @@ def slow_down(engine: AsyncLLM, monkeypatch, seconds: float, fail_on_call: int =
             raise RuntimeError("the device fell over")
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "launch_model", execute)
+    monkeypatch.setattr(runner, "execute_model", execute)
 
 
 STREAM = {"stream": True, "ignore_eos": True, "temperature": 0}
@@ -55,7 +55,7 @@ async def test_keepalive_comments_while_a_request_waits_in_the_queue(engine, mon
             f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 25, **STREAM}
         )
         await first.content.readuntil(b"data: ")
-        assert engine.engine.core.scheduler.num_running == 1  # max_num_seqs=1: the next waits
+        assert engine.core_client.core.scheduler.num_running == 1  # max_num_seqs=1: the next waits
         queued = await s.post(
             f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 2, **STREAM}
         )
@@ -72,7 +72,7 @@ async def test_a_slow_reader_gets_merged_deltas_while_the_engine_runs_on(engine)
         chunks = OpenAIRoutes(app[STATE]).open_stream("completions", body)
         first = await anext(chunks)
         deadline = time.monotonic() + 10
-        while engine.engine.core.has_unfinished_requests():  # nobody reads meanwhile
+        while engine.core_client.core.scheduler.has_unfinished_requests():  # nobody reads meanwhile
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         rest = [chunk async for chunk in chunks]
@@ -87,10 +87,10 @@ async def test_a_slow_reader_gets_merged_deltas_while_the_engine_runs_on(engine)
 async def test_a_dropped_stream_is_aborted_within_a_step(engine, monkeypatch) -> None:
     steps = []
     slow_down(engine, monkeypatch, 0.02)
-    real_execute = engine.engine.core.model_runner.launch_model
+    real_execute = engine.core_client.core.executor.model_runner.execute_model
     monkeypatch.setattr(
-        engine.engine.core.model_runner,
-        "launch_model",
+        engine.core_client.core.executor.model_runner,
+        "execute_model",
         lambda out: steps.append(1) or real_execute(out),
     )
     body = {"prompt": "x", "max_tokens": 400, **STREAM}
@@ -99,9 +99,9 @@ async def test_a_dropped_stream_is_aborted_within_a_step(engine, monkeypatch) ->
         await response.content.readuntil(b"data: ")
         response.close()
         steps_at_drop = len(steps)
-        await until(lambda: not engine.engine.core.has_unfinished_requests())
+        await until(lambda: not engine.core_client.core.scheduler.has_unfinished_requests())
     assert len(steps) - steps_at_drop <= 2  # the step under way, at most one more
-    assert engine.engine.core.kv_cache_manager.usage == 0
+    assert engine.core_client.core.kv_cache_manager.usage == 0
 
 
 async def test_a_dropped_non_streaming_request_is_aborted(engine, monkeypatch) -> None:
@@ -112,8 +112,8 @@ async def test_a_dropped_non_streaming_request_is_aborted(engine, monkeypatch) -
             await session.post(
                 f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.3)
             )
-        await until(lambda: not engine.engine.core.has_unfinished_requests())
-    assert engine.engine.core.kv_cache_manager.usage == 0
+        await until(lambda: not engine.core_client.core.scheduler.has_unfinished_requests())
+    assert engine.core_client.core.kv_cache_manager.usage == 0
 
 
 async def until(condition, timeout: float = 5.0) -> None:

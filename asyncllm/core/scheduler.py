@@ -27,6 +27,7 @@ class _Step:
     budget: int
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    first_scheduled: dict[str, float] = field(default_factory=dict)
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -54,21 +55,13 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting)
 
-    def has_requests(self) -> bool:
-        """Unfinished requests, or finished ids the runner has not been told about yet."""
-        return self.has_unfinished_requests() or bool(self._finished_req_ids)
-
     def add_request(self, request: Request) -> None:
+        """The front end has checked that the request fits (check_fits)."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} already exists.")
-        manager = self.kv_cache_manager
-        check_fits(request, self.config, manager.num_blocks, manager.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -80,7 +73,9 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step)
         finished, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(list(step.scheduled.values()), step.preempted, finished)
+        return SchedulerOutput(
+            list(step.scheduled.values()), step.preempted, finished, step.first_scheduled
+        )
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -220,6 +215,7 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
             request.first_scheduled_time = time.monotonic()
+            step.first_scheduled[request.request_id] = request.first_scheduled_time
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -254,27 +250,25 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
 
 
-def check_fits(request: Request, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
-    """Rejects a request that could never run, which would otherwise preempt itself forever."""
-    num_prompt = request.num_prompt_tokens
-    if num_prompt == 0:
-        raise ValueError(f"request {request.request_id!r} has an empty prompt.")
-    if num_prompt > config.max_model_len:
-        raise ValueError(
-            f"prompt of {num_prompt} tokens exceeds max_model_len ({config.max_model_len})."
-        )
-    final_len = min(num_prompt + request.max_tokens, config.max_model_len)
+def check_fits(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    config: SchedulerConfig,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Rejects a request that could never run, which would otherwise preempt itself forever
+    (the input processor has checked the prompt against max_model_len)."""
+    final_len = min(num_prompt_tokens + max_tokens, config.max_model_len)
     # the last sampled token is never computed, so it needs no KV slot
-    max_computed = max(num_prompt, final_len - 1)
+    max_computed = max(num_prompt_tokens, final_len - 1)
     if not config.enable_chunked_prefill and max_computed > config.max_num_batched_tokens:
         raise ValueError(
-            f"request {request.request_id!r} may need {max_computed} tokens in one step "
-            f"(without chunked prefill), over max_num_batched_tokens "
-            f"({config.max_num_batched_tokens})."
+            f"the request may need {max_computed} tokens in one step (without chunked "
+            f"prefill), over max_num_batched_tokens ({config.max_num_batched_tokens})."
         )
     needed = cdiv(max_computed, block_size)
     if needed > num_blocks:
         raise ValueError(
-            f"request {request.request_id!r} needs up to {needed} KV cache blocks, "
-            f"the cache has {num_blocks}."
+            f"the request needs up to {needed} KV cache blocks, the cache has {num_blocks}."
         )

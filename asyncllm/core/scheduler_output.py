@@ -38,6 +38,8 @@ class SchedulerOutput:
     # requests preempted or finished since the last step, for the runner to forget
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    # requests scheduled for the first time, and when (time.monotonic())
+    first_scheduled: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

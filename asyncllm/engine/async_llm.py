@@ -1,6 +1,6 @@
 """AsyncLLM: the asyncio front end. One background engine task takes in the engine core's steps
-(stepping it, or receiving them from its process) while generate() iterators hand each
-request's outputs to its consumer."""
+(from its thread in this process, or from its own process) while generate() iterators hand
+each request's outputs to its consumer."""
 
 from __future__ import annotations
 
@@ -10,14 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import EngineParts, add_request, build_engine, process_outputs
-from asyncllm.engine.core_client import CoreClient, CoreProcessClient, LocalCoreClient
-from asyncllm.engine.core_process import EngineStats
+from asyncllm.engine.front_end import FrontEnd
 from asyncllm.engine.input_processor import PromptType
+from asyncllm.engine.messages import EngineStats
 from asyncllm.engine.output_processor import RequestOutputCollector, child_request_id
 from asyncllm.engine.prompt_tokenizer import PromptTokenizer
 from asyncllm.outputs import RequestOutput
-from asyncllm.request import RequestStatus
 from asyncllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,28 +25,18 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed and cannot continue; every open request ends with this."""
 
 
-class AsyncLLM:
-    def __init__(self, engine: EngineParts) -> None:
-        self.engine = engine
-        self.config = engine.config
-        self.input_processor = engine.input_processor
-        core = engine.core
-        self.client: CoreClient = (
-            core if isinstance(core, CoreProcessClient) else LocalCoreClient(core)
-        )
+class AsyncLLM(FrontEnd):
+    def __init__(self, args: EngineArgs) -> None:
+        super().__init__(args, core_process_allowed=True)
         self.collectors: dict[str, RequestOutputCollector] = {}
-        tokenizer = engine.tokenizer
+        tokenizer = self.tokenizer
         self.prompt_tokenizer = PromptTokenizer(tokenizer) if tokenizer is not None else None
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> AsyncLLM:
-        return cls(build_engine(args or EngineArgs(**kwargs), core_process_allowed=True))
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        return cls(args or EngineArgs(**kwargs))
 
     @property
     def errored(self) -> bool:
@@ -73,10 +61,10 @@ class AsyncLLM:
             self._check_alive()
             if self.collectors.get(request_id) is not collector:
                 return  # aborted while its prompt was tokenized
-            request, text = self.engine.input_processor.process(
+            request, text = self.make_request(
                 request_id, prompt, sampling_params, priority, add_special_tokens
             )
-            add_request(self.engine, request, text, collector, self.client)
+            self.add_request(request, text, collector)
         except BaseException:
             if self.collectors.get(request_id) is collector:
                 del self.collectors[request_id]
@@ -95,7 +83,7 @@ class AsyncLLM:
 
     async def _with_token_ids(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:
         """A text prompt with its token ids, from the tokenizer's thread."""
-        text = self.engine.input_processor.prompt_text(prompt)
+        text = self.input_processor.prompt_text(prompt)
         if text is None:
             return prompt
         token_ids = await self.prompt_tokenizer.encode(text, add_special_tokens)
@@ -103,23 +91,19 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its parallel samples); its blocks are freed before the next step."""
-        engine_ids = self.engine.output_processor.abort([request_id])
+        self.abort_request(request_id)
         self.collectors.pop(request_id, None)
-        self.client.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
-
-    def check_health(self) -> None:
-        self._check_alive()
 
     def stats(self) -> EngineStats:
-        return self.client.stats()
+        """As of the last step taken in."""
+        return self.latest_stats
 
     def is_queued(self, request_id: str) -> bool:
         """Whether the engine holds this request (or its first sample) and has not scheduled it
         yet."""
-        states = self.engine.output_processor.states
+        states = self.output_processor.states
         state = states.get(request_id) or states.get(child_request_id(0, request_id))
-        request = state.request if state is not None else None
-        return request is not None and request.first_scheduled_time is None
+        return state is not None and state.first_scheduled_time is None
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -128,7 +112,7 @@ class AsyncLLM:
             self._task = None
         if self.prompt_tokenizer is not None:
             self.prompt_tokenizer.shutdown()
-        self.client.shutdown()
+        self.core_client.shutdown()
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -142,23 +126,13 @@ class AsyncLLM:
         try:
             while True:
                 # with async scheduling, detokenizes step N while step N+1 computes
-                step = await self.client.get_step()
-                self._note_first_scheduled(step.first_scheduled)
-                process_outputs(self.engine, step.outputs)
+                self.process_step(await self.core_client.get_output_async())
                 await asyncio.sleep(0)  # let consumers run between steps
         except asyncio.CancelledError:
             raise
         except BaseException as e:
             logger.exception("engine loop died")
             self._fail_all(e)
-
-    def _note_first_scheduled(self, times: dict[str, float]) -> None:
-        """The core process reports when it first scheduled each request (queue-time metrics,
-        --max-queue-wait); in one process the scheduler sets it on the shared request."""
-        for request_id, when in times.items():
-            state = self.engine.output_processor.states.get(request_id)
-            if state is not None and state.request is not None:
-                state.request.first_scheduled_time = when
 
     def _fail_all(self, error: BaseException) -> None:
         self.dead_error = error

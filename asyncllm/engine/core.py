@@ -1,8 +1,14 @@
-"""EngineCore: scheduler + KV cache manager + model runner, one step at a time."""
+"""EngineCore: the scheduler, the KV cache manager and an executor, one step at a time.
+
+A step is launched (scheduled and handed to the executor, which returns a future) and later
+finished (its output taken in by the scheduler). Steps in flight wait in a queue: at depth 1 a
+step is finished before the next is scheduled; at depth 2 (async scheduling) step N+1 is
+scheduled and launched while step N runs, its input tokens taken from N's on the device.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import concurrent.futures
 import logging
 from dataclasses import dataclass
@@ -11,163 +17,138 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
+from asyncllm.engine.messages import (
+    CoreStep,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    FinishRequests,
+    KVCapacity,
+)
+from asyncllm.executor import Executor, create_executor
 from asyncllm.request import Request, RequestStatus
-from asyncllm.worker.model_runner import LaunchedModelStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class LaunchedStep:
-    """A scheduled step on its way: either launched by the runner's threads (future), or
-    launched from this thread (model_step, or the error that launching raised). Neither:
-    nothing was scheduled."""
-
+class _LaunchedStep:
     scheduler_output: SchedulerOutput
-    future: concurrent.futures.Future[ModelRunnerOutput] | None = None
-    model_step: LaunchedModelStep | Exception | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        return self.future is None and self.model_step is None
-
-    def wait(self) -> ModelRunnerOutput | Exception:
-        """Blocks this thread until the step's outputs are on the host (or it failed)."""
-        try:
-            if self.future is not None:
-                return self.future.result()
-            if isinstance(self.model_step, Exception):
-                return self.model_step
-            return self.model_step.wait()
-        except Exception as e:
-            return e
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
-    new_prompt_logprobs: PromptLogprobsChunk | None = None
+    future: concurrent.futures.Future[ModelRunnerOutput]
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config)
+        self.executor = executor or create_executor(config)
         self.kv_cache_manager = KVCacheManager(
-            self.model_runner.num_blocks,
-            config.cache.block_size,
-            config.cache.enable_prefix_caching,
+            self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self._in_flight: LaunchedStep | None = None  # with async scheduling
+        self.depth = 2 if config.async_scheduling else 1
+        self._in_flight: collections.deque[_LaunchedStep] = collections.deque()
         # finished and preempted ids of empty schedules, for the runner's next step
         self._unannounced = SchedulerOutput()
+        self._first_scheduled: dict[str, float] = {}
+        # request id -> parallel samples waiting for that request to compute their prompt
+        self._waiting_for_prompt: dict[str, list[Request]] = {}
 
     @property
-    def async_scheduling(self) -> bool:
-        """Schedule step N+1 and process step N's outputs while step N runs: free when the
-        model runs on a GPU, a loss on CPU, where host and model share the same cores."""
-        setting = self.config.args.async_scheduling
-        return self.config.model.device.type == "cuda" if setting is None else setting
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(self.kv_cache_manager.num_blocks, self.kv_cache_manager.block_size)
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        request = Request(
+            request_id=core_request.request_id,
+            prompt_token_ids=core_request.prompt_token_ids,
+            sampling_params=core_request.sampling_params,
+            eos_token_ids=core_request.eos_token_ids,
+            max_tokens=core_request.max_tokens,
+            priority=core_request.priority,
+            bad_words_token_ids=core_request.bad_words_token_ids,
+            arrival_time=core_request.arrival_time,
+        )
+        source = core_request.prompt_computed_by
+        if source is not None and not self._prompt_computed(source):
+            self._waiting_for_prompt.setdefault(source, []).append(request)
+        else:
+            self.scheduler.add_request(request)
+
+    def apply(self, message: EngineCoreRequest | FinishRequests) -> None:
+        if isinstance(message, FinishRequests):
+            self.finish_requests(message.request_ids, message.status)
+        else:
+            self.add_request(message)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        ids = set(request_ids)
+        for source, waiting in list(self._waiting_for_prompt.items()):
+            self._waiting_for_prompt[source] = [r for r in waiting if r.request_id not in ids]
         self.scheduler.finish_requests(request_ids, status)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        self._release_waiting()
 
     def has_work(self) -> bool:
-        """Unfinished requests, or a launched step whose outputs are not taken in yet."""
-        return self.has_unfinished_requests() or self._in_flight is not None
+        """Unfinished requests, or a launched step whose output is not taken in yet."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._in_flight)
+            or bool(self._waiting_for_prompt)
+        )
 
-    def launch_step(self, in_this_thread: bool = False) -> LaunchedStep:
-        """Schedule a step and start it, in the runner's threads or (on a GPU, where launching
-        returns before the step has run) in this one; the caller goes on meanwhile."""
-        scheduler_output = self._schedule()
-        if scheduler_output is None:
-            return LaunchedStep(SchedulerOutput())
-        if not in_this_thread:
-            return LaunchedStep(scheduler_output, self.model_runner.execute(scheduler_output))
-        try:
-            return LaunchedStep(
-                scheduler_output, model_step=self.model_runner.launch_model(scheduler_output)
-            )
-        except Exception as e:
-            return LaunchedStep(scheduler_output, model_step=e)
+    def step(self) -> CoreStep:
+        """Launches steps until `depth` are in flight (or nothing more can be scheduled), then
+        finishes the oldest, blocking this thread until its output is on the host."""
+        while len(self._in_flight) < self.depth and (launched := self._launch()) is not None:
+            self._in_flight.append(launched)
+        outputs = self._finish(self._in_flight.popleft()) if self._in_flight else []
+        first_scheduled, self._first_scheduled = self._first_scheduled, {}
+        return CoreStep(outputs, self.stats(), self.has_work(), first_scheduled)
 
-    def finish_step(self, launched: LaunchedStep) -> list[EngineCoreOutput]:
-        """Wait for a launched step (blocking this thread) and take in its result."""
-        if launched.is_empty:
-            return []
-        return self._take_result(launched.scheduler_output, launched.wait())
+    def stats(self) -> EngineStats:
+        scheduler, kv = self.scheduler, self.kv_cache_manager
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
 
-    async def step_async(self) -> list[EngineCoreOutput]:
-        """Outputs of one step, awaiting the runner's future so the event loop keeps running.
-        With async scheduling, the step after it is already launched."""
-        launched = self._launch_ahead() if self.async_scheduling else self.launch_step()
-        if launched is None or launched.future is None:
-            return []
-        try:
-            result = await asyncio.wrap_future(launched.future)
-        except Exception as e:
-            result = e
-        return self._take_result(launched.scheduler_output, result)
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Outputs of one step, blocking this thread. With async scheduling, the step after it
-        is already launched; either way steps are launched from this thread, as handing each
-        to the runner's threads and back costs thread switches (on CPU the step runs about 10%
-        faster here)."""
-        if self.async_scheduling:
-            launched = self._launch_ahead(in_this_thread=True)
-            return [] if launched is None else self.finish_step(launched)
-        scheduler_output = self._schedule()
-        if scheduler_output is None:
-            return []
-        try:
-            result = self.model_runner.execute_model(scheduler_output)
-        except Exception as e:
-            result = e
-        return self._take_result(scheduler_output, result)
-
-    def _launch_ahead(self, in_this_thread: bool = False) -> LaunchedStep | None:
-        """Launches the next step, scheduled while the one before still runs, and returns that
-        one (None if there was none)."""
-        previous, launched = self._in_flight, self.launch_step(in_this_thread)
-        self._in_flight = None if launched.is_empty else launched
-        return previous
-
-    def _schedule(self) -> SchedulerOutput | None:
+    def _launch(self) -> _LaunchedStep | None:
         scheduler_output = self.scheduler.schedule()
         # the runner forgets finished and preempted requests when it runs the next step
         scheduler_output.finished_req_ids |= self._unannounced.finished_req_ids
         scheduler_output.preempted_req_ids |= self._unannounced.preempted_req_ids
+        self._first_scheduled |= scheduler_output.first_scheduled
         if scheduler_output.is_empty:
             self._unannounced = scheduler_output
             return None
         self._unannounced = SchedulerOutput()
-        return scheduler_output
+        return _LaunchedStep(scheduler_output, self.executor.execute_model(scheduler_output))
 
-    def _take_result(
-        self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput | Exception
-    ) -> list[EngineCoreOutput]:
+    def _finish(self, launched: _LaunchedStep) -> list[EngineCoreOutput]:
         """A failed step fails its requests, not the engine."""
-        if isinstance(result, Exception):
-            return self._fail_step(scheduler_output, result)
-        return self._update(scheduler_output, result)
+        try:
+            result = launched.future.result()
+        except Exception as e:
+            return self._fail_step(launched.scheduler_output, e)
+        outputs = self._update(launched.scheduler_output, result)
+        self._release_waiting()
+        return outputs
 
-    def shutdown(self) -> None:
-        self.model_runner.shutdown()
+    def _prompt_computed(self, request_id: str) -> bool:
+        request = self.scheduler.get_request(request_id)
+        return request is None or request.num_computed_tokens >= request.num_prompt_tokens
+
+    def _release_waiting(self) -> None:
+        for source in list(self._waiting_for_prompt):
+            if self._prompt_computed(source):
+                for request in self._waiting_for_prompt.pop(source):
+                    self.scheduler.add_request(request)
 
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

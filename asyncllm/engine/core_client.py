@@ -1,83 +1,106 @@
-"""How AsyncLLM drives the engine core: in the event loop's own process (LocalCoreClient), or
-in a process of its own (CoreProcessClient, the default on CUDA), where stepping the model
-never waits for the event loop that streams the outputs. Both take requests, hand back one
-CoreStep per engine step, and report EngineStats."""
+"""How the front end (LLM, AsyncLLM) reaches the engine core: in this process (InprocClient) or
+in a process of its own (CoreProcessClient, AsyncLLM's default on CUDA), where stepping the model
+never waits for the event loop that streams the outputs. Both take EngineCoreRequests and
+FinishRequests and hand back one CoreStep per engine step; nothing else crosses."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import multiprocessing
 import subprocess
 import sys
 import threading
-from typing import Protocol
+from abc import ABC, abstractmethod
+from multiprocessing.connection import Connection
 
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.core.scheduler import check_fits
-from asyncllm.engine.core import EngineCore, EngineCoreOutput
-from asyncllm.engine.core_process import (
-    AddRequest,
+from asyncllm.engine.core import EngineCore
+from asyncllm.engine.heap import release_freed_memory
+from asyncllm.engine.messages import (
     CoreStep,
-    EngineStats,
+    EngineCoreOutput,
+    EngineCoreRequest,
     Failed,
     FinishRequests,
+    KVCapacity,
     Ready,
     Shutdown,
 )
-from asyncllm.engine.heap import release_freed_memory
-from asyncllm.request import Request, RequestStatus
+from asyncllm.request import RequestStatus
 
 
-class CoreClient(Protocol):
-    def add_request(self, request: Request) -> None: ...
+class CoreClient(ABC):
+    capacity: KVCapacity
 
+    @staticmethod
+    def create(config: EngineConfig, own_process: bool) -> CoreClient:
+        return CoreProcessClient(config) if own_process else InprocClient(EngineCore(config))
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None: ...
 
-    async def get_step(self) -> CoreStep:
+    @abstractmethod
+    def get_output(self) -> CoreStep:
+        """The next step's outputs, blocking this thread."""
+
+    @abstractmethod
+    async def get_output_async(self) -> CoreStep:
         """The next step's outputs; waits while the engine has no work."""
-        ...
 
-    def stats(self) -> EngineStats: ...
-
+    @abstractmethod
     def shutdown(self) -> None: ...
 
 
-class LocalCoreClient:
-    """Steps the core from the event loop; the model runs in the runner's thread meanwhile."""
+class InprocClient(CoreClient):
+    """The core in this process. Requests and finishes wait in an inbox until the next step
+    begins: AsyncLLM runs each step in a thread of its own while the event loop adds and aborts,
+    so only that thread touches the core."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        # finished requests are taken out between steps, never while the loop awaits one
-        self._pending_finishes: list[tuple[list[str], RequestStatus]] = []
-        self._wake = asyncio.Event()
+        self.capacity = core.capacity
+        self._inbox: collections.deque[EngineCoreRequest | FinishRequests] = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._stepper: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def add_request(self, request: Request) -> None:
-        self.core.add_request(request)
-        self._wake.set()
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._post(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        self._pending_finishes.append((request_ids, status))
-        self._wake.set()
+        if request_ids:
+            self._post(FinishRequests(list(request_ids), status))
 
-    async def get_step(self) -> CoreStep:
-        while True:
-            for request_ids, status in self._pending_finishes:
-                self.core.finish_requests(request_ids, status)
-            self._pending_finishes.clear()
-            if self.core.has_work():
-                # with async scheduling, the step after it is already launched
-                return CoreStep(await self.core.step_async())
+    def get_output(self) -> CoreStep:
+        while self._inbox:
+            self.core.apply(self._inbox.popleft())
+        return self.core.step()
+
+    async def get_output_async(self) -> CoreStep:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._stepper = concurrent.futures.ThreadPoolExecutor(1, "engine-core")
+        while not (self._inbox or self.core.has_work()):
             self._wake.clear()
             release_freed_memory()
             await self._wake.wait()
-
-    def stats(self) -> EngineStats:
-        return EngineStats.of(self.core)
+        return await asyncio.get_running_loop().run_in_executor(self._stepper, self.get_output)
 
     def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.shutdown(wait=True)
         self.core.shutdown()
+
+    def _post(self, message: EngineCoreRequest | FinishRequests) -> None:
+        self._inbox.append(message)
+        if self._wake is not None:
+            self._wake.set()
 
 
 class EngineCoreGone(RuntimeError):
@@ -87,14 +110,13 @@ class EngineCoreGone(RuntimeError):
 _CORE_MAIN = "from asyncllm.engine.core_process import main; main()"
 
 
-class CoreProcessClient:
+class CoreProcessClient(CoreClient):
     """Starts the engine core in a fresh interpreter (core_process.main; unlike multiprocessing's
-    spawn, it does not run the caller's main script again) and
-    talks to it over two pipes: requests go out from the event loop, steps come back through a
-    reader thread."""
+    spawn, it does not run the caller's main script again) and talks to it over two pipes.
+    Outputs are read either by the caller (get_output) or, once get_output_async is used, by a
+    reader thread that hands them to the event loop."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.scheduler_config = config.scheduler
         inbox_reader, self._inbox = multiprocessing.Pipe(duplex=False)
         self._outbox, outbox_writer = multiprocessing.Pipe(duplex=False)
         fds = (inbox_reader.fileno(), outbox_writer.fileno())
@@ -105,25 +127,10 @@ class CoreProcessClient:
         outbox_writer.close()
         self._send(config.args)
         self.capacity = self._wait_until_ready()
-        self._stats = EngineStats()
         self._steps: asyncio.Queue[CoreStep | Failed] | None = None
 
-    def _wait_until_ready(self) -> Ready:
-        try:
-            message = self._outbox.recv()
-        except EOFError:
-            message = Failed(f"the process exited with code {self.process.wait()}")
-        if isinstance(message, Failed):
-            self.process.wait()
-            raise EngineCoreGone(f"the engine core did not start: {message.error}")
-        return message
-
-    def add_request(self, request: Request) -> None:
-        """Raises ValueError, as the scheduler would, for a request that could never run."""
-        check_fits(
-            request, self.scheduler_config, self.capacity.num_blocks, self.capacity.block_size
-        )
-        self._send(AddRequest(request))
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         if not request_ids:
@@ -131,24 +138,21 @@ class CoreProcessClient:
         with contextlib.suppress(OSError):  # a core that is gone holds nothing to free
             self._inbox.send(FinishRequests(list(request_ids), status))
 
-    async def get_step(self) -> CoreStep:
+    def get_output(self) -> CoreStep:
+        messages = [_receive(self._outbox, self.process)]
+        while not isinstance(messages[-1], Failed) and self._outbox.poll():
+            messages.append(_receive(self._outbox, self.process))
+        return _as_one_step(messages)
+
+    async def get_output_async(self) -> CoreStep:
         """The next step, or all the steps that queued up meanwhile, joined."""
         if self._steps is None:
             self._steps = asyncio.Queue()
             self._start_reader(asyncio.get_running_loop(), self._steps)
-        steps = [await self._steps.get()]
+        messages = [await self._steps.get()]
         while not self._steps.empty():
-            steps.append(self._steps.get_nowait())
-        for message in steps:
-            if isinstance(message, Failed):
-                raise EngineCoreGone(f"the engine core process failed: {message.error}")
-        step = steps[0] if len(steps) == 1 else join_steps(steps)
-        self._stats = step.stats or self._stats
-        return step
-
-    def stats(self) -> EngineStats:
-        """As of the last step received."""
-        return self._stats
+            messages.append(self._steps.get_nowait())
+        return _as_one_step(messages)
 
     def shutdown(self) -> None:
         with contextlib.suppress(OSError):  # already gone
@@ -160,7 +164,15 @@ class CoreProcessClient:
             self.process.wait()
         self._inbox.close()
 
-    def _send(self, message: EngineArgs | AddRequest) -> None:
+    def _wait_until_ready(self) -> KVCapacity:
+        message = _receive(self._outbox, self.process)
+        if isinstance(message, Failed):
+            self.process.wait()
+            raise EngineCoreGone(f"the engine core did not start: {message.error}")
+        assert isinstance(message, Ready)
+        return message.capacity
+
+    def _send(self, message: EngineArgs | EngineCoreRequest) -> None:
         try:
             self._inbox.send(message)
         except OSError as e:
@@ -170,12 +182,8 @@ class CoreProcessClient:
         self, loop: asyncio.AbstractEventLoop, steps: asyncio.Queue[CoreStep | Failed]
     ) -> None:
         def read() -> None:
-            message: CoreStep | Failed
             while True:
-                try:
-                    message = self._outbox.recv()
-                except (EOFError, OSError):
-                    message = Failed(f"it exited with code {self.process.wait()}")
+                message = _receive(self._outbox, self.process)
                 try:
                     loop.call_soon_threadsafe(steps.put_nowait, message)
                 except RuntimeError:
@@ -186,8 +194,22 @@ class CoreProcessClient:
         threading.Thread(target=read, name="core-outbox", daemon=True).start()
 
 
+def _receive(outbox: Connection, process: subprocess.Popen) -> CoreStep | Ready | Failed:
+    try:
+        return outbox.recv()
+    except (EOFError, OSError):
+        return Failed(f"the process exited with code {process.wait()}")
+
+
+def _as_one_step(messages: list[CoreStep | Failed]) -> CoreStep:
+    for message in messages:
+        if isinstance(message, Failed):
+            raise EngineCoreGone(f"the engine core process failed: {message.error}")
+    return messages[0] if len(messages) == 1 else join_steps(messages)
+
+
 def join_steps(steps: list[CoreStep]) -> CoreStep:
-    """Steps that queued up while the event loop was busy, as one: a request's tokens of
+    """Steps that queued up while the front end was busy, as one: a request's tokens of
     consecutive steps become one output (one detokenizer update, one stream chunk), so a busy
     front end catches up instead of falling further behind. An output with prompt logprobs
     is not joined to the one before it."""
@@ -203,7 +225,7 @@ def join_steps(steps: list[CoreStep]) -> CoreStep:
             else:
                 latest[out.request_id] = len(outputs)
                 outputs.append(out)
-    return CoreStep(outputs, steps[-1].stats, first_scheduled)
+    return CoreStep(outputs, steps[-1].stats, steps[-1].has_work, first_scheduled)
 
 
 def _joined(before: EngineCoreOutput, after: EngineCoreOutput) -> EngineCoreOutput:

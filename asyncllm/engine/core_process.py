@@ -1,9 +1,5 @@
-"""The engine core in its own process: it steps the model back to back while the server's
-event loop streams, and the two exchange plain messages over pipes.
-
-In: AddRequest and FinishRequests, applied between steps, and Shutdown. Out: Ready once the
-model is loaded (or Failed), then one CoreStep per step with that step's outputs.
-"""
+"""The engine core in its own process: it steps the model back to back while the server's event
+loop streams, and the two exchange the messages of messages.py over pipes."""
 
 from __future__ import annotations
 
@@ -11,76 +7,24 @@ import logging
 import queue
 import sys
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.core import EngineCore, EngineCoreOutput
+from asyncllm.engine.core import EngineCore
 from asyncllm.engine.heap import freeze_startup_objects, release_freed_memory
-from asyncllm.request import Request, RequestStatus
+from asyncllm.engine.messages import (
+    CoreStep,
+    EngineCoreRequest,
+    Failed,
+    FinishRequests,
+    Ready,
+    Shutdown,
+)
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class EngineStats:
-    """What /metrics reports about the scheduler and the KV cache."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-    @classmethod
-    def of(cls, core: EngineCore) -> EngineStats:
-        scheduler, kv = core.scheduler, core.kv_cache_manager
-        return cls(
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            kv_cache_usage=kv.usage,
-            num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-        )
-
-
-@dataclass
-class AddRequest:
-    request: Request
-
-
-@dataclass
-class FinishRequests:
-    request_ids: list[str]
-    status: RequestStatus
-
-
-@dataclass
-class Shutdown:
-    pass
-
-
-@dataclass
-class Ready:
-    # the KV cache's size, for the front end to refuse requests that could never fit
-    num_blocks: int
-    block_size: int
-
-
-@dataclass
-class Failed:
-    error: str
-
-
-@dataclass
-class CoreStep:
-    outputs: list[EngineCoreOutput]
-    stats: EngineStats | None = None
-    # request id -> time.monotonic() of its first scheduling, for requests first scheduled
-    # since the last CoreStep (the front end's copy of the request never sees the scheduler)
-    first_scheduled: dict[str, float] = field(default_factory=dict)
+Message = EngineCoreRequest | FinishRequests | Shutdown
 
 
 def main() -> None:
@@ -101,10 +45,9 @@ def run_core_process(inbox: Connection, outbox: Connection) -> None:
         outbox.send(Failed(f"{type(e).__name__}: {e}"))
         return
     freeze_startup_objects()
-    manager = core.kv_cache_manager
-    outbox.send(Ready(manager.num_blocks, manager.block_size))
+    outbox.send(Ready(core.capacity))
     try:
-        CoreLoop(core, outbox).run(_receive_in_thread(inbox))
+        run_core_loop(core, _receive_in_thread(inbox), outbox.send)
     except BaseException as e:
         logger.exception("engine core process died")
         outbox.send(Failed(f"{type(e).__name__}: {e}"))
@@ -112,10 +55,35 @@ def run_core_process(inbox: Connection, outbox: Connection) -> None:
         core.shutdown()
 
 
-def _receive_in_thread(inbox: Connection) -> queue.Queue:
+def run_core_loop(
+    core: EngineCore, messages: queue.Queue[Message], emit: Callable[[CoreStep], None]
+) -> None:
+    """Applies the messages that came in, steps, and emits the step, until Shutdown; idles on
+    the queue while the core has no work."""
+    while True:
+        if not core.has_work():
+            if messages.empty():
+                release_freed_memory()
+            if not _apply(core, messages.get()):
+                return
+        while not messages.empty():
+            if not _apply(core, messages.get_nowait()):
+                return
+        emit(core.step())
+
+
+def _apply(core: EngineCore, message: Message) -> bool:
+    """Applies a message; False for Shutdown."""
+    if isinstance(message, Shutdown):
+        return False
+    core.apply(message)
+    return True
+
+
+def _receive_in_thread(inbox: Connection) -> queue.Queue[Message]:
     """Messages from the front end, read by a thread so that they queue up while a step runs;
     a closed pipe (the front end is gone) reads as Shutdown."""
-    messages: queue.Queue = queue.Queue()
+    messages: queue.Queue[Message] = queue.Queue()
 
     def receive() -> None:
         try:
@@ -126,41 +94,3 @@ def _receive_in_thread(inbox: Connection) -> queue.Queue:
 
     threading.Thread(target=receive, name="core-inbox", daemon=True).start()
     return messages
-
-
-class CoreLoop:
-    def __init__(self, core: EngineCore, outbox: Connection) -> None:
-        self.core = core
-        self.outbox = outbox
-        self._unscheduled: dict[str, Request] = {}  # added, not yet scheduled
-
-    def run(self, messages: queue.Queue) -> None:
-        while True:
-            if not self.core.has_work():
-                if messages.empty():
-                    release_freed_memory()
-                if not self._apply(messages.get()):
-                    return  # idle until a message comes
-            while not messages.empty():
-                if not self._apply(messages.get_nowait()):
-                    return
-            outputs = self.core.step() if self.core.has_work() else []
-            self.outbox.send(CoreStep(outputs, EngineStats.of(self.core), self._first_scheduled()))
-
-    def _apply(self, message: AddRequest | FinishRequests | Shutdown) -> bool:
-        """Applies a message; False for Shutdown."""
-        if isinstance(message, AddRequest):
-            self.core.add_request(message.request)
-            self._unscheduled[message.request.request_id] = message.request
-        elif isinstance(message, FinishRequests):
-            self.core.finish_requests(message.request_ids, message.status)
-        return not isinstance(message, Shutdown)
-
-    def _first_scheduled(self) -> dict[str, float]:
-        times = {}
-        for request_id, request in list(self._unscheduled.items()):
-            if request.first_scheduled_time is not None or request.is_finished:
-                del self._unscheduled[request_id]
-            if request.first_scheduled_time is not None:
-                times[request_id] = request.first_scheduled_time
-        return times

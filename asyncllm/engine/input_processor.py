@@ -1,14 +1,15 @@
-"""Turns a prompt (text, token ids or chat messages) into a validated Request."""
+"""Turns a prompt (text, token ids or chat messages) into a validated EngineCoreRequest."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncllm.config import ModelConfig
-from asyncllm.request import Request
+from asyncllm.engine.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
 
 # a prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}), as in vLLM
@@ -37,7 +38,7 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         add_special_tokens: bool = True,
-    ) -> tuple[Request, str | None]:
+    ) -> tuple[EngineCoreRequest, str | None]:
         """Returns the request and the prompt text (None when given token ids).
 
         Chat prompts pass add_special_tokens=False: the template already holds them.
@@ -47,12 +48,13 @@ class InputProcessor:
         max_tokens = self.model_config.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        request = Request(
+        request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=self.model_config.eos_token_ids,
             max_tokens=max_tokens,
+            arrival_time=time.monotonic(),
             priority=priority,
             bad_words_token_ids=self._tokenize_bad_words(params.bad_words or []),
         )

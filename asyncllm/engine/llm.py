@@ -1,4 +1,4 @@
-"""LLM: the offline API, running batches to completion on the same engine core."""
+"""LLM: the offline API, running batches to completion on the engine core in this process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.build import add_request, build_engine, process_outputs
+from asyncllm.engine.front_end import FrontEnd
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -19,16 +19,16 @@ from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 Conversation = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(FrontEnd):
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(sorted(unknown))}")
-        self.engine = build_engine(EngineArgs(model=model, **kwargs))
+        super().__init__(EngineArgs(model=model, **kwargs), core_process_allowed=False)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def generate(
         self,
@@ -47,7 +47,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        apply = self.engine.input_processor.apply_chat_template
+        apply = self.input_processor.apply_chat_template
         prompts = [apply(list(c), **(chat_template_kwargs or {})) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
 
@@ -65,22 +65,25 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         # validate everything before anything reaches the engine
         requests = [
-            self.engine.input_processor.process(
+            self.make_request(
                 str(next(self._ids)), prompt, _final_only(p), prio, add_special_tokens
             )
             for prompt, p, prio in zip(prompts, params, priorities)
         ]
         for request, text in requests:
-            add_request(self.engine, request, text)
+            self.add_request(request, text)
         return self._run_to_completion([r.request_id for r, _ in requests], use_tqdm)
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        core = self.engine.core
+        core_has_work = True
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while core.has_work():
+            # on to the core's end, so that it frees what stopped requests held
+            while core_has_work or len(finished) < len(request_ids):
+                step = self.core_client.get_output()
+                core_has_work = step.has_work
                 # with async scheduling, detokenizes step N while step N+1 computes
-                for output in process_outputs(self.engine, core.step()):
+                for output in self.process_step(step):
                     finished[output.request_id] = output
                     bar.update(1)
         return [finished[request_id] for request_id in request_ids]

@@ -1,9 +1,8 @@
 """Engine core outputs -> RequestOutputs: detokenize, apply stop strings, logprobs, collect.
 
 A request with n > 1 (or best_of) fans out into child requests "{i}_{parent id}" with the same
-prompt; a ParentRequest gathers their completions into one RequestOutput. Siblings of child 0
-are held back until child 0's prompt is computed, so they find its full blocks in the prefix
-cache instead of computing the same prompt side by side in one step.
+prompt; a ParentRequest gathers their completions into one RequestOutput. The engine core holds
+child 0's siblings back until child 0's prompt is computed (prompt_computed_by).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncllm.engine.core import EngineCoreOutput
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from asyncllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from asyncllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -26,7 +25,6 @@ from asyncllm.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
-from asyncllm.request import Request
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -81,9 +79,10 @@ class RequestState:
     kind: RequestOutputKind
     detokenizer: IncrementalDetokenizer | None
     collector: RequestOutputCollector | None
+    arrival_time: float
     token_ids: list[int] = field(default_factory=list)
     num_sent_tokens: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # reported by the engine core
     first_token_time: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # when the request asked for logprobs
     cumulative_logprob: float | None = None
@@ -91,7 +90,6 @@ class RequestState:
     num_sent_prompt_logprobs: int = 0
     parent: ParentRequest | None = None
     index: int = 0  # this sample's index in its parent
-    request: Request | None = None  # the engine's request, for its scheduling times
 
 
 @dataclass
@@ -99,8 +97,6 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # requests that hit a stop string: the engine core must stop them too
     stopped_request_ids: list[str]
-    # held-back parallel samples whose shared prompt is now cached: add them to the engine core
-    new_requests: list[Request] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -111,22 +107,24 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
 
     def add_request(
-        self, request: Request, prompt: str | None, collector: RequestOutputCollector | None = None
-    ) -> list[Request]:
-        """Registers a request; returns the engine requests to add to the core now."""
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        collector: RequestOutputCollector | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Registers a request; returns the engine requests to add to the core."""
         params = request.sampling_params
         if params.num_samples == 1:
             self.states[request.request_id] = self._new_state(request, prompt, collector)
             return [request]
         children = fan_out(request)
         parent = ParentRequest(request, prompt, collector, [c.request_id for c in children])
-        parent.pending = children[1:]
         self.parents[request.request_id] = parent
         for i, child in enumerate(children):
             state = self._new_state(child, prompt, None)
             state.parent, state.index = parent, i
             self.states[child.request_id] = state
-        return children[:1]
+        return children
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Forgets requests; returns the engine request ids to abort (a parent's samples)."""
@@ -139,8 +137,11 @@ class OutputProcessor:
             engine_ids += ids
         return engine_ids
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+    def note_first_scheduled(self, times: dict[str, float]) -> None:
+        for request_id, when in times.items():
+            state = self.states.get(request_id)
+            if state is not None:
+                state.first_scheduled_time = when
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         processed = ProcessedOutputs([], [])
@@ -155,7 +156,6 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self.states[out.request_id]
             if state.parent is not None:
-                processed.new_requests += self._release_siblings(state, finish_reason)
                 request_output = self._add_to_parent(state, request_output, out)
             if request_output is None:
                 continue
@@ -181,7 +181,10 @@ class OutputProcessor:
                 yield out
 
     def _new_state(
-        self, request: Request, prompt: str | None, collector: RequestOutputCollector | None
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        collector: RequestOutputCollector | None,
     ) -> RequestState:
         params = request.sampling_params
         detokenizer = None
@@ -204,7 +207,7 @@ class OutputProcessor:
             logprobs=[] if asked else None,
             cumulative_logprob=0.0 if asked else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            request=request,
+            arrival_time=request.arrival_time,
         )
 
     def _advance(
@@ -297,15 +300,6 @@ class OutputProcessor:
         state.num_sent_prompt_logprobs = len(state.prompt_logprobs)
         return state.prompt_logprobs
 
-    def _release_siblings(self, state: RequestState, finish_reason: str | None) -> list[Request]:
-        parent = state.parent
-        if state.index != 0 or not parent.pending:
-            return []
-        if not state.token_ids and finish_reason is None:
-            return []  # child 0's prompt is not computed yet
-        released, parent.pending = parent.pending, []
-        return released
-
     def _add_to_parent(
         self, state: RequestState, output: RequestOutput | None, out: EngineCoreOutput
     ) -> RequestOutput | None:
@@ -326,8 +320,8 @@ class OutputProcessor:
     @staticmethod
     def _metrics(state: RequestState) -> dict[str, float]:
         metrics = {"arrival_time": state.arrival_time}
-        if state.request is not None and state.request.first_scheduled_time is not None:
-            metrics["first_scheduled_time"] = state.request.first_scheduled_time
+        if state.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = state.first_scheduled_time
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
         return metrics
@@ -338,7 +332,7 @@ class ParentRequest:
 
     def __init__(
         self,
-        request: Request,
+        request: EngineCoreRequest,
         prompt: str | None,
         collector: RequestOutputCollector | None,
         child_ids: list[str],
@@ -350,12 +344,11 @@ class ParentRequest:
         self.prompt_token_ids = request.prompt_token_ids
         self.collector = collector
         self.child_ids = child_ids
-        self.pending: list[Request] = []
         self.completions: dict[int, CompletionOutput] = {}
         self.first: RequestOutput | None = None  # child 0's latest: prompt logprobs, cache hits
         self.num_finished = 0
         self.error: str | None = None
-        self.arrival_time = time.monotonic()
+        self.arrival_time = request.arrival_time
 
     @property
     def final_only(self) -> bool:
@@ -435,20 +428,18 @@ def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
 
-def fan_out(request: Request) -> list[Request]:
+def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     """The engine requests of a request's parallel samples: same prompt, seed + i when seeded,
-    prompt logprobs only on sample 0. best_of samples always compute their logprobs to rank."""
+    prompt logprobs only on sample 0, whose prompt the others wait for. best_of samples always
+    compute their logprobs to rank."""
     params = request.sampling_params
+    first_id = child_request_id(0, request.request_id)
     return [
-        Request(
+        dataclasses.replace(
+            request,
             request_id=child_request_id(i, request.request_id),
-            prompt_token_ids=request.prompt_token_ids,
             sampling_params=_child_params(params, i),
-            eos_token_ids=request.eos_token_ids,
-            max_tokens=request.max_tokens,
-            priority=request.priority,
-            bad_words_token_ids=request.bad_words_token_ids,
-            arrival_time=request.arrival_time,
+            prompt_computed_by=first_id if i else None,
         )
         for i in range(params.num_samples)
     ]

@@ -95,8 +95,8 @@ class ServerState:
     def __init__(self, engine: AsyncLLM, args: ServerArgs) -> None:
         self.engine = engine
         self.args = args
-        path = engine.engine.config.model.path
-        model = engine.engine.config.args.model
+        path = engine.config.model.path
+        model = engine.config.args.model
         if model in (None, DEFAULT_MODEL):
             model = DEFAULT_MODEL_NAME
         self.model_name = args.served_model_name or model
@@ -169,7 +169,7 @@ def _max_prompt_chars(engine: AsyncLLM) -> int | None:
     if tokenizer is None:
         return None
     longest = max(map(len, tokenizer.get_vocab()), default=1)
-    return engine.engine.config.model.max_model_len * longest
+    return engine.config.model.max_model_len * longest
 
 
 STATE = web.AppKey("state", ServerState)

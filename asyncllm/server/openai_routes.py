@@ -127,7 +127,7 @@ class OpenAIRoutes:
         if limit is not None and max(texts, default=0) > limit:
             raise ProtocolError(
                 f"the prompt is {max(texts)} characters long; at most {limit} can fit in the "
-                f"maximum model length ({self.engine.engine.config.model.max_model_len}).",
+                f"maximum model length ({self.engine.config.model.max_model_len}).",
                 param="messages" if req.kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
@@ -179,7 +179,7 @@ class OpenAIRoutes:
 
     def _render_chat(self, req: GenerationRequest) -> str:
         try:
-            return self.engine.engine.input_processor.apply_chat_template(
+            return self.engine.input_processor.apply_chat_template(
                 req.messages, **req.chat_template_kwargs
             )
         except (ValueError, TypeError) as e:
@@ -213,7 +213,7 @@ class OpenAIRoutes:
     # -- the rest of the API -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        config = self.engine.engine.config.model
+        config = self.engine.config.model
         model = {
             "id": self.state.model_name,
             "object": "model",
@@ -229,9 +229,9 @@ class OpenAIRoutes:
         prompt, messages, add_special_tokens = protocol.parse_tokenize(await read_json(request))
         self._require_tokenizer()
         if messages is not None:
-            prompt = self.engine.engine.input_processor.apply_chat_template(messages)
+            prompt = self.engine.input_processor.apply_chat_template(messages)
         tokens = await self.engine.prompt_tokenizer.encode(prompt, add_special_tokens)
-        max_model_len = self.engine.engine.config.model.max_model_len
+        max_model_len = self.engine.config.model.max_model_len
         return json_response(
             {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
         )
@@ -239,7 +239,7 @@ class OpenAIRoutes:
     async def detokenize(self, request: web.Request) -> web.Response:
         tokens = protocol.parse_detokenize(await read_json(request))
         tokenizer = self._require_tokenizer()
-        vocab_size = self.engine.engine.input_processor.vocab_size
+        vocab_size = self.engine.input_processor.vocab_size
         if any(not 0 <= t < vocab_size for t in tokens):
             raise ProtocolError(f"tokens must be in [0, {vocab_size}).", param="tokens")
         loop = asyncio.get_running_loop()

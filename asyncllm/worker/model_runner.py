@@ -1,20 +1,17 @@
-"""Runs one scheduled step: flat batch -> model -> sampled ids, off the caller's thread.
+"""Runs one scheduled step: flat batch -> model -> sampled ids.
 
-`execute()` returns a concurrent future at once; the engine task awaits it, so the event loop
-keeps serving while the model computes (torch releases the GIL inside its kernels). A launcher
-thread prepares each step and enqueues it on the runner's own CUDA stream (inputs copied from
-pinned buffers without blocking, pure-decode steps replaying CUDA graphs, sampled ids copied back
-without blocking); a collector thread waits for the step's event and completes the future. So
-the launcher can enqueue step N+1 while step N still runs, taking the tokens N samples from the
-device (async scheduling). On CPU both happen in the launcher, one step after the other.
+`execute_model()` prepares the step and enqueues it on the runner's own CUDA stream (inputs
+copied from pinned buffers without blocking, steps replaying CUDA graphs, sampled ids copied back
+without blocking) and returns before it has run, so the caller can launch step N+1 while step N
+still runs, its input tokens taken from the ids N samples on the device (async scheduling). The
+launched step's wait() blocks until the ids are on the host. On CPU the step runs to its end
+inside execute_model.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -49,13 +46,6 @@ GraphRunner = TypeVar("GraphRunner", CudaGraphRunner, MixedGraphRunner, Piecewis
 _CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
 _MAX_CUDA_GRAPH_BATCH = 512
-
-
-def _complete(result: concurrent.futures.Future, produce: Callable[[], object]) -> None:
-    try:
-        result.set_result(produce())
-    except BaseException as e:
-        result.set_exception(e)
 
 
 def _stream_context(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
@@ -142,42 +132,10 @@ class ModelRunner:
         )
         self._last_sampled: DeviceTokens | None = None
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._launcher = concurrent.futures.ThreadPoolExecutor(1, "model-runner-launch")
-        self._collector = concurrent.futures.ThreadPoolExecutor(1, "model-runner-collect")
 
-    def execute(
-        self, scheduler_output: SchedulerOutput
-    ) -> concurrent.futures.Future[ModelRunnerOutput]:
-        """Launches the step in the launcher thread; the future completes in the collector."""
-        result: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
-        self._launcher.submit(self._launch_and_collect, scheduler_output, result)
-        return result
-
-    def shutdown(self) -> None:
-        self._launcher.shutdown(wait=True, cancel_futures=True)
-        self._collector.shutdown(wait=True, cancel_futures=True)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step in this thread, returning once the sampled ids are on the host."""
-        return self.launch_model(scheduler_output).wait()
-
-    def _launch_and_collect(
-        self,
-        scheduler_output: SchedulerOutput,
-        result: concurrent.futures.Future[ModelRunnerOutput],
-    ) -> None:
-        try:
-            launched = self.launch_model(scheduler_output)
-        except BaseException as e:
-            result.set_exception(e)
-            return
-        if launched.done is None:  # on CPU the step has run already
-            _complete(result, launched.wait)
-        else:
-            self._collector.submit(_complete, result, launched.wait)
-
-    def launch_model(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
-        """Enqueues one step on the runner's own CUDA stream (on CPU: runs it)."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
+        """Enqueues one step on the runner's own CUDA stream (on CPU: runs it); the step's
+        wait() gives its output."""
         with torch.inference_mode(), _stream_context(self.stream):
             try:
                 return self._launch(scheduler_output)

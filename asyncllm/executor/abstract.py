@@ -1,0 +1,28 @@
+"""The seam between the engine core and the workers that run the model.
+
+The core hands each scheduled step to `execute_model` and gets a future of its output back at
+once, so it can schedule the next step while this one runs. One worker in this process is the
+UniprocExecutor; a worker per rank (tensor parallelism) plugs in behind the same two methods.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from abc import ABC, abstractmethod
+
+from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    # the KV cache's size in blocks, the same on every worker
+    num_blocks: int
+
+    @abstractmethod
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> concurrent.futures.Future[ModelRunnerOutput]:
+        """Starts the step; the future completes once its sampled ids are on the host, or with
+        the exception that failed it."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
