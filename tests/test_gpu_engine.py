@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.worker.step_plan import StepRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,13 +67,18 @@ def test_triton_backend_matches_torch_backend_in_fp32(qwen3_dir) -> None:
 def test_runner_uses_graphs_for_decode(qwen3_dir) -> None:
     llm = LLM(model=str(qwen3_dir), kv_cache_memory=KV_CACHE_BYTES, max_num_seqs=16)
     runner = llm.engine.core.model_runner
-    assert runner.cuda_graphs is not None and runner.stream is not None
+    decode_graphs = runner.graphs[StepRunner.DECODE_GRAPH]
+    assert runner.stream is not None
     replays = []
-    real = runner.cuda_graphs.replay
-    runner.cuda_graphs.replay = lambda size: replays.append(size) or real(size)
+    real = decode_graphs.run
+    decode_graphs.run = lambda size, meta: replays.append(size) or real(size, meta)
     llm.generate(prompts(5), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert replays and set(replays) <= set(runner.cuda_graphs.sizes)
-    assert runner.piecewise_graphs is not None
+    assert replays and set(replays) <= set(decode_graphs.sizes)
+    assert StepRunner.PIECEWISE_GRAPHS in runner.graphs
+
+
+def record_replays(run, name: str, replays: list):
+    return lambda size, meta: replays.append((name, size)) or run(size, meta)
 
 
 def run_with_logprobs(path, max_num_batched_tokens: int, **kwargs):
@@ -85,14 +91,11 @@ def run_with_logprobs(path, max_num_batched_tokens: int, **kwargs):
     )
     runner = llm.engine.core.model_runner
     replays = []
-    if runner.mixed_graphs is not None:
-        whole = runner.mixed_graphs.replay
-        runner.mixed_graphs.replay = lambda size: replays.append(("whole", size)) or whole(size)
-    if runner.piecewise_graphs is not None:
-        piecewise = runner.piecewise_graphs.run
-        runner.piecewise_graphs.run = lambda size, meta: (
-            replays.append(("piecewise", size)) or piecewise(size, meta)
-        )
+    kinds = {StepRunner.SHORT_STEP_GRAPH: "whole", StepRunner.PIECEWISE_GRAPHS: "piecewise"}
+    for kind, name in kinds.items():
+        if kind in runner.graphs:
+            graphs = runner.graphs[kind]
+            graphs.run = record_replays(graphs.run, name, replays)
     params = [
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3),
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
