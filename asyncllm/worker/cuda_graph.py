@@ -11,7 +11,9 @@ about ten kernels per layer from Python. They reach the model only through
 asyncllm/models/causal_lm.py's CausalLM.
 
 A graph reads its inputs from InputBatch's fixed device buffers, so a replay is: fill the
-buffers (padded to the plan), replay, read the rows that sample.
+buffers (padded to the plan), replay, read the rows that sample. Each runner owns its graphs
+and their memory pool; captures are thread-local, so that another engine of the process may
+keep working meanwhile.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ class _WholeStepGraphs(GraphRunner):
             for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
                 plan, graph = self.plans[size], torch.cuda.CUDAGraph()
                 self._forward(plan)  # warm-up: triton compiles and autotunes outside capture
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"
+                ):
                     self.outputs[size] = self._forward(plan)
                 self.graphs[size] = graph
                 pool = graph.pool()
@@ -161,7 +165,9 @@ class PiecewiseGraphs(GraphRunner):
                 for piece in range(len(self.model.layers) + 1):
                     self._piece(piece, self.plans[size])  # warm-up: triton compiles outside capture
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    with torch.cuda.graph(
+                        graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"
+                    ):
                         self._piece(piece, self.plans[size])
                     self.graphs[size].append(graph)
                     pool = graph.pool()

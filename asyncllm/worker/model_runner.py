@@ -113,23 +113,28 @@ class ModelRunner:
         self.device = config.model.device
         self.block_size = config.cache.block_size
         scheduler = config.scheduler
-        backend = make_attention_backend(config.model.attention_backend)
-        self.model: CausalLM = load_model(config.model, backend)
-        warm_up_packed_linears(self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
-        self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
-        self.input_batch = InputBatch(
-            max_num_reqs=scheduler.max_num_seqs,
-            max_num_tokens=scheduler.max_num_batched_tokens,
-            max_model_len=config.model.max_model_len,
-            block_size=self.block_size,
-            device=self.device,
-        )
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.planner = self._step_planner(backend)
-        self.graphs = self._capture_graphs()
+        # all the runner keeps is allocated on its own stream, which orders every use of it:
+        # once freed, its memory goes to no other stream (another engine's) before that is done
+        with _stream_context(self.stream):
+            backend = make_attention_backend(config.model.attention_backend)
+            self.model: CausalLM = load_model(config.model, backend)
+            warm_up_packed_linears(
+                self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+            )
+            self.num_blocks = self._num_kv_blocks()
+            self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
+            self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
+            self.input_batch = InputBatch(
+                max_num_reqs=scheduler.max_num_seqs,
+                max_num_tokens=scheduler.max_num_batched_tokens,
+                max_model_len=config.model.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            self.planner = self._step_planner(backend)
+            self.graphs = self._capture_graphs()
         self._last_sampled: DeviceTokens | None = None
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "model-runner-launch")
