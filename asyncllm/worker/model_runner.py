@@ -114,8 +114,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         scheduler = config.scheduler
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # all the runner keeps is allocated on its own stream, which orders every use of it:
-        # once freed, its memory goes to no other stream (another engine's) before that is done
+        # all the runner keeps is allocated and filled on its own stream, which orders every use
+        # of it. On the default stream, a second engine's first graph warm-up (its kernels long
+        # compiled) ran before its buffers were filled and read a freed engine's memory as token
+        # ids and block tables (index out of bounds, illegal address); and freed, the memory
+        # goes to no other stream (another engine's) while this one may still use it
         with _stream_context(self.stream):
             backend = make_attention_backend(config.model.attention_backend)
             self.model: CausalLM = load_model(config.model, backend)
