@@ -30,7 +30,7 @@ from bench.throughput import time_phases  # noqa: E402
 def record_steps(llm) -> list[dict]:
     """Each LLM step's wall time and phases (ms), appended to the returned list as it runs."""
     core, runner = llm.core_client.core, llm.core_client.core.executor.model_runner
-    phases = time_phases(llm, ((runner, "_mixed_hidden"), (runner, "_decode_logits")))
+    phases = time_phases(llm, ((runner, "_forward"),))
     steps: list[dict] = []
     scheduled: list = []  # the step's scheduler output
     inner_step, inner_schedule = core.step, core.scheduler.schedule

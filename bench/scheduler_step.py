@@ -32,6 +32,7 @@ from asyncllm.engine.core import EngineCore  # noqa: E402
 from asyncllm.request import Request  # noqa: E402
 from asyncllm.sampling_params import SamplingParams  # noqa: E402
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch  # noqa: E402
+from asyncllm.worker.step_plan import StepPlan, StepRunner  # noqa: E402
 
 BLOCK_SIZE, MAX_MODEL_LEN, BUDGET = 16, 4096, 8192
 
@@ -61,7 +62,9 @@ class HostStep:
         scheduled = time.perf_counter()
         decode = all(s.num_new_tokens == 1 for s in output.scheduled)
         previous = self.in_flight[1] if self.in_flight else None
-        self.input_batch.prepare(output, len(output.scheduled) if decode else None, previous)
+        n = len(output.scheduled)
+        plan = StepPlan(StepRunner.DECODE_GRAPH, n, n, pure_decode=True) if decode else None
+        self.input_batch.prepare(output, plan, previous)
         prepared = time.perf_counter()
         if self.in_flight is not None:
             done, _ = self.in_flight

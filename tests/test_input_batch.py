@@ -6,6 +6,7 @@ from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from asyncllm.request import Request
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.input_batch import InputBatch
+from asyncllm.worker.step_plan import StepPlan, StepRunner
 
 BLOCK = 4
 
@@ -92,11 +93,13 @@ def test_padding_rows_write_nowhere() -> None:
     batch = cpu_batch(max_num_reqs=8, max_tokens=16)
     a = request("a", 3)
     a.append_output_token(1)
-    inputs = batch.prepare(SchedulerOutput([scheduled(a, 3, 1, [2])]), pad_to=4)
+    plan = StepPlan(StepRunner.DECODE_GRAPH, num_tokens=4, num_reqs=4, pure_decode=True)
+    inputs = batch.prepare(SchedulerOutput([scheduled(a, 3, 1, [2])]), plan)
     assert inputs.padded_tokens == 4
     assert inputs.meta.slot_mapping.tolist() == [2 * BLOCK + 3, -1, -1, -1]
     assert inputs.meta.seq_lens.tolist() == [4, 1, 1, 1]
     assert inputs.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert inputs.meta.max_seq_len == 16  # the decode graphs' value, whatever the lengths
 
 
 def test_padding_tokens_belong_to_no_request_and_write_nowhere() -> None:
@@ -104,7 +107,7 @@ def test_padding_tokens_belong_to_no_request_and_write_nowhere() -> None:
     a, b = request("a", 5), request("b", 3)
     b.append_output_token(7)
     out = SchedulerOutput([scheduled(a, 0, 5, [1, 2]), scheduled(b, 3, 1, [3])])
-    inputs = batch.prepare(out, pad_tokens_to=9)
+    inputs = batch.prepare(out, StepPlan(StepRunner.PIECEWISE_GRAPHS, num_tokens=9, num_reqs=2))
     assert inputs.padded_tokens == 9
     assert inputs.input_ids.tolist() == [100, 101, 102, 103, 104, 7, 0, 0, 0]
     assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 3, 0, 0, 0]
@@ -122,7 +125,7 @@ def test_whole_step_graph_padding_adds_requests_of_no_tokens() -> None:
     a, b = request("a", 5), request("b", 3)
     b.append_output_token(7)
     out = SchedulerOutput([scheduled(a, 0, 5, [1, 2]), scheduled(b, 3, 1, [3])])
-    inputs = batch.prepare(out, pad_tokens_to=9, empty_reqs_to=5)
+    inputs = batch.prepare(out, StepPlan(StepRunner.SHORT_STEP_GRAPH, num_tokens=9, num_reqs=5))
     assert inputs.padded_tokens == 9
     assert inputs.meta.query_start_loc.tolist() == [0, 5, 6, 6, 6, 6]
     assert inputs.meta.seq_lens.tolist() == [5, 4, 0, 0, 0]

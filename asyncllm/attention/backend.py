@@ -44,6 +44,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    # steps with prompt tokens of at most this many rows (padding included) read no host
+    # metadata in attend: the worker captures them whole in CUDA graphs (0: none)
+    max_short_step_tokens: int
+
     def prepare_qkv(
         self,
         qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]

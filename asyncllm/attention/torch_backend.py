@@ -136,6 +136,7 @@ class TorchAttentionBackend:
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         """use_cpu_kernel=False keeps every step on the torch paths (the reference)."""
         self.use_cpu_kernel = use_cpu_kernel
+        self.max_short_step_tokens = 0  # attention loops over the requests on the host
         # what a step's metadata implies, made by its first layer and used by every layer
         self._step_meta: AttentionMetadata | None = None
         self._step_cache: dict[str, Any] = {}

@@ -12,6 +12,7 @@ from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
+from asyncllm.models.causal_lm import PieceShapes
 
 # checkpoint name piece -> (fused parameter, shard index)
 _STACKED = {
@@ -102,9 +103,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query, residual = self.before_attention(positions, x, residual, kv_cache, meta)
-        return self.after_attention(self.self_attn.attend(query, kv_cache, meta), residual)
+        return self.after_attention(self.attend(query, kv_cache, meta), residual)
 
-    # the two halves are the pieces piecewise CUDA graphs capture around the attention
+    # the pieces of models.causal_lm.DecoderLayerPieces
     def before_attention(
         self,
         positions: torch.Tensor,
@@ -117,6 +118,15 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = rms_norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         return attn.prepare_qkv(positions, qkv, kv_cache, meta), residual
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.self_attn.attend(query, kv_cache, meta, out)
 
     def after_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
@@ -151,11 +161,16 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler widens them only when it needs to."""
@@ -175,6 +190,12 @@ class LlamaForCausalLM(nn.Module):
             _copy_shard(self, params[target], target, shard, tensor)
             loaded.add(target)
         return loaded
+
+    @property
+    def piece_shapes(self) -> PieceShapes:
+        attn = self.layers[0].self_attn
+        heads = (attn.num_heads, attn.head_dim)
+        return PieceShapes(self.config.hidden_size, query=heads, attn_out=heads)
 
     @property
     def layer_geometry(self) -> tuple[int, int, int]:

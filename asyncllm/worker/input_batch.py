@@ -16,6 +16,7 @@ import torch
 
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.worker.step_plan import StepPlan, StepRunner
 
 
 @dataclass
@@ -105,16 +106,12 @@ class InputBatch:
     def prepare(
         self,
         scheduler_output: SchedulerOutput,
-        pad_to: int | None = None,
+        plan: StepPlan | None = None,
         previous: DeviceTokens | None = None,
-        pad_tokens_to: int | None = None,
-        empty_reqs_to: int | None = None,
     ) -> StepInputs:
-        """Fill the buffers for this step; pad_to pads a pure-decode batch to a graph's size
-        (one-token requests); pad_tokens_to pads any other step's tokens to a mixed graph's
-        size (tokens that belong to no request), and empty_reqs_to its requests to the graph's
-        capacity (requests of no tokens); previous: the ids sampled by the step before, for
-        inputs not yet on the host."""
+        """Fill the buffers for this step, padded to the plan's tokens and requests (None: as
+        scheduled); previous: the ids sampled by the step before, for inputs not yet on the
+        host."""
         self.remove_requests(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
         for buffer in self._buffers:
             buffer.flip()
@@ -123,6 +120,7 @@ class InputBatch:
         starts = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
         counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         num_reqs, num_tokens = len(scheduled), int(counts.sum())
+        plan = plan or StepPlan(StepRunner.EAGER, num_tokens, num_reqs)
         cu = np.cumsum(counts)
         num_on_device = self._fill_input_ids(scheduler_output, cu, previous)
         owner = np.repeat(np.arange(num_reqs), counts)
@@ -146,36 +144,27 @@ class InputBatch:
             self.logits_indices.np[: len(sampling_rows)] = cu[sampling_rows] - 1
             logits_indices = self.logits_indices.copy_rows(len(sampling_rows))
 
-        padded = pad_to or num_reqs
-        if pad_to is not None:
-            self.pad(num_reqs, pad_to)
-        padded_tokens = max(padded, num_tokens)
-        if pad_tokens_to is not None:
-            self.pad_tokens(num_tokens, pad_tokens_to)
-            padded_tokens = pad_tokens_to
-        if empty_reqs_to is not None:
-            self.pad_empty_requests(num_reqs, empty_reqs_to, num_tokens)
-            padded = empty_reqs_to
-        query_lens = counts.tolist()
+        self._pad(plan, num_reqs, num_tokens)
         meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc.copy_rows(padded + 1),
-            seq_lens=self.seq_lens.copy_rows(padded),
-            block_tables=self._copy_tables(padded, width),
-            slot_mapping=self.slot_mapping.copy_rows(padded_tokens),
+            query_start_loc=self.query_start_loc.copy_rows(plan.num_reqs + 1),
+            seq_lens=self.seq_lens.copy_rows(plan.num_reqs),
+            block_tables=self._copy_tables(plan.num_reqs, width),
+            slot_mapping=self.slot_mapping.copy_rows(plan.num_tokens),
             max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens,
+            # the decode graphs' value: eager runs of their steps choose the same splits
+            max_seq_len=self.max_model_len if plan.pure_decode else int(seq_lens.max()),
+            query_lens_cpu=counts.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        input_ids = self.input_ids.copy_rows(padded_tokens)
+        input_ids = self.input_ids.copy_rows(plan.num_tokens)
         if num_on_device:
             targets = self.device_token_targets.copy_rows(num_on_device)
             sources = self.device_token_sources.copy_rows(num_on_device)
             input_ids.index_copy_(0, targets, previous.token_ids.index_select(0, sources))
         return StepInputs(
-            padded_tokens=padded_tokens,
+            padded_tokens=plan.num_tokens,
             input_ids=input_ids,
-            positions=self.positions.copy_rows(padded_tokens),
+            positions=self.positions.copy_rows(plan.num_tokens),
             meta=meta,
             logits_indices=logits_indices,
             sampling_rows=sampling_rows,
@@ -216,7 +205,25 @@ class InputBatch:
             self.num_blocks[row] = len(block_ids)
         return row
 
-    def pad(self, num_reqs: int, pad_to: int) -> None:
+    def fill_padding(self, plan: StepPlan) -> None:
+        """The device buffers of a step of padding only, writing no KV: what graphs of the
+        plan's runner are captured over."""
+        self.query_start_loc.np[0] = 0
+        self._pad(plan, 0, 0)
+        for buffer in (self.input_ids, self.positions, self.slot_mapping):
+            buffer.copy_rows(plan.num_tokens)
+        self.query_start_loc.copy_rows(plan.num_reqs + 1)
+        self.seq_lens.copy_rows(plan.num_reqs)
+        self.block_tables.copy_rows(plan.num_reqs)
+
+    def _pad(self, plan: StepPlan, num_reqs: int, num_tokens: int) -> None:
+        if plan.pure_decode:
+            self._pad_decodes(num_reqs, plan.num_reqs)
+        else:
+            self._pad_tokens(num_tokens, plan.num_tokens)
+            self._pad_empty_requests(num_reqs, plan.num_reqs, num_tokens)
+
+    def _pad_decodes(self, num_reqs: int, pad_to: int) -> None:
         """Padding rows: one token each, writing nowhere, attending to one (ignored) slot."""
         self.input_ids.np[num_reqs:pad_to] = 0
         self.positions.np[num_reqs:pad_to] = 0
@@ -225,14 +232,14 @@ class InputBatch:
         self.seq_lens.np[num_reqs:pad_to] = 1
         self.block_tables.np[num_reqs:pad_to, 0] = 0
 
-    def pad_tokens(self, start: int, end: int) -> None:
+    def _pad_tokens(self, start: int, end: int) -> None:
         """Padding tokens: token 0 at position 0, writing nowhere; no request's query covers
         them, so attention leaves their rows alone."""
         self.input_ids.np[start:end] = 0
         self.positions.np[start:end] = 0
         self.slot_mapping.np[start:end] = -1
 
-    def pad_empty_requests(self, num_reqs: int, pad_to: int, num_tokens: int) -> None:
+    def _pad_empty_requests(self, num_reqs: int, pad_to: int, num_tokens: int) -> None:
         """Padding requests of no tokens, starting where the last real query ends: attention
         skips them, and their block tables are never read."""
         self.query_start_loc.np[num_reqs + 1 : pad_to + 1] = num_tokens

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -21,6 +20,7 @@ from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.layers.linear import warm_up_packed_linears
+from asyncllm.models.causal_lm import CausalLM
 from asyncllm.models.loader import load_model
 from asyncllm.outputs import PromptLogprobsChunk
 from asyncllm.sample.logprobs import (
@@ -32,20 +32,18 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
-from asyncllm.worker.cuda_graph import (
-    CudaGraphRunner,
-    MixedGraphRunner,
-    PiecewiseGraphRunner,
-    batch_size_ladder,
-    token_count_ladder,
-)
+from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
-
-GraphRunner = TypeVar("GraphRunner", CudaGraphRunner, MixedGraphRunner, PiecewiseGraphRunner)
+from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner
 
 _CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
-_MAX_CUDA_GRAPH_BATCH = 512
+# captured in this order, each kind only at the sizes its plans list
+_GRAPH_KINDS = {
+    StepRunner.DECODE_GRAPH: DecodeGraphs,
+    StepRunner.SHORT_STEP_GRAPH: ShortStepGraphs,
+    StepRunner.PIECEWISE_GRAPHS: PiecewiseGraphs,
+}
 
 
 def _stream_context(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
@@ -104,32 +102,32 @@ class ModelRunner:
         self.config = config
         self.device = config.model.device
         self.block_size = config.cache.block_size
-        backend = make_attention_backend(config.model.attention_backend)
-        self.model = load_model(config.model, backend)
-        # steps with prompt tokens up to this size run whole in CUDA graphs
-        self.max_whole_mixed_tokens = getattr(backend, "max_short_step_tokens", 0)
         scheduler = config.scheduler
-        warm_up_packed_linears(self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
-        self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
-        self.input_batch = InputBatch(
-            max_num_reqs=scheduler.max_num_seqs,
-            max_num_tokens=scheduler.max_num_batched_tokens,
-            max_model_len=config.model.max_model_len,
-            block_size=self.block_size,
-            device=self.device,
-        )
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.decode_sizes = self._decode_sizes()
-        self.mixed_sizes = self._mixed_sizes()
-        whole_sizes = [s for s in self.mixed_sizes if s <= self.max_whole_mixed_tokens]
-        self.cuda_graphs = self._capture(CudaGraphRunner, self.decode_sizes)
-        self.mixed_graphs = self._capture(MixedGraphRunner, whole_sizes)
-        self.piecewise_graphs = self._capture(
-            PiecewiseGraphRunner, [s for s in self.mixed_sizes if s not in whole_sizes]
-        )
+        # all the runner keeps is allocated and filled on its own stream, which orders every use
+        # of it. On the default stream, a second engine's first graph warm-up (its kernels long
+        # compiled) ran before its buffers were filled and read a freed engine's memory as token
+        # ids and block tables (index out of bounds, illegal address); and freed, the memory
+        # goes to no other stream (another engine's) while this one may still use it
+        with _stream_context(self.stream):
+            backend = make_attention_backend(config.model.attention_backend)
+            self.model: CausalLM = load_model(config.model, backend)
+            warm_up_packed_linears(
+                self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+            )
+            self.num_blocks = self._num_kv_blocks()
+            self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
+            self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
+            self.input_batch = InputBatch(
+                max_num_reqs=scheduler.max_num_seqs,
+                max_num_tokens=scheduler.max_num_batched_tokens,
+                max_model_len=config.model.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            self.planner = self._step_planner(backend)
+            self.graphs = self._capture_graphs()
         self._last_sampled: DeviceTokens | None = None
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
 
@@ -150,22 +148,9 @@ class ModelRunner:
         # a preempted request's token in flight is dropped: its history restarts from the host
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
         prompt_spans = self._prompt_spans(scheduler_output)
-        decode_size = self._decode_batch_size(scheduler_output, prompt_spans)
-        mixed_size = None if decode_size is not None else self._mixed_size(scheduler_output)
-        whole = self._replays_mixed_graph(scheduler_output, mixed_size)
-        inputs = self.input_batch.prepare(
-            scheduler_output,
-            decode_size,
-            self._last_sampled,
-            pad_tokens_to=mixed_size,
-            empty_reqs_to=self.mixed_graphs.capacity(mixed_size) if whole else None,
-        )
-        hidden = None
-        if decode_size is not None:
-            logits = self._decode_logits(inputs, decode_size)[inputs.logits_indices]
-        else:
-            hidden = self._mixed_hidden(inputs, mixed_size, whole)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans))
+        inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
+        hidden, logits = self._forward(plan, inputs)
         sampled = meta = None
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
@@ -192,55 +177,24 @@ class ModelRunner:
             self._record_event(),
         )
 
-    def _decode_batch_size(
-        self, scheduler_output: SchedulerOutput, prompt_spans: list[PromptSpan]
-    ) -> int | None:
-        """For a pure-decode step on the GPU, the padded batch size of its CUDA graph; else None.
-        A step that scores prompt tokens (prompt_spans) needs the hidden states, which the
-        graphs do not keep.
+    def _forward(
+        self, plan: StepPlan, inputs: StepInputs
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(hidden states, logits of the sampling rows); a pure-decode step keeps no hidden
+        states."""
+        output = self._model_output(plan, inputs)
+        if plan.pure_decode:
+            return None, output[inputs.logits_indices]
+        return output, self.model.compute_logits(output[inputs.logits_indices])
 
-        With graphs off (enforce_eager) such steps still run padded, with the graphs' metadata,
-        so that both modes launch the same kernels and give bit-identical outputs.
-        """
-        if not self.decode_sizes:
-            return None
-        scheduled = scheduler_output.scheduled
-        if prompt_spans or any(s.num_new_tokens != 1 for s in scheduled):
-            return None
-        return next((size for size in self.decode_sizes if size >= len(scheduled)), None)
-
-    def _decode_logits(self, inputs: StepInputs, size: int) -> torch.Tensor:
-        """Logits of all `size` padded rows: a graph replay, or the same computation eagerly."""
-        if self.cuda_graphs is not None:
-            return self.cuda_graphs.replay(size)
-        meta = dataclasses.replace(inputs.meta, max_seq_len=self.config.model.max_model_len)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
-
-    def _mixed_size(self, scheduler_output: SchedulerOutput) -> int | None:
-        """For a step with prompt tokens on the GPU, the padded token count of its piecewise
-        graphs (None past the largest: it runs unpadded and eagerly). With graphs off such
-        steps still run padded, so that both modes give bit-identical outputs."""
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        return next((size for size in self.mixed_sizes if size >= num_tokens), None)
-
-    def _replays_mixed_graph(self, scheduler_output: SchedulerOutput, size: int | None) -> bool:
-        """Whether a step with prompt tokens replays a whole-step graph: there is one of its
-        size, and a query of more than one token (with none, as when a request asks for
-        prompt logprobs, attention takes the decode kernel, which those graphs do not hold:
-        the step runs eagerly)."""
-        return (
-            self.mixed_graphs is not None
-            and size in self.mixed_graphs.graphs
-            and any(s.num_new_tokens > 1 for s in scheduler_output.scheduled)
-        )
-
-    def _mixed_hidden(self, inputs: StepInputs, size: int | None, whole: bool) -> torch.Tensor:
-        if whole:
-            return self.mixed_graphs.replay(size)
-        if self.piecewise_graphs is not None and size in self.piecewise_graphs.sizes:
-            return self.piecewise_graphs.run(size, inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+    def _model_output(self, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
+        """What the plan's runner computes: for a pure-decode step the logits of every row, as
+        the decode graphs do, else the hidden states."""
+        graphs = self.graphs.get(plan.runner)
+        if graphs is not None:
+            return graphs.run(plan.num_tokens, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden) if plan.pure_decode else hidden
 
     def _prompt_spans(self, scheduler_output: SchedulerOutput) -> list[PromptSpan]:
         spans, offset = [], 0
@@ -258,22 +212,28 @@ class ModelRunner:
         event.record(self.stream)
         return event
 
-    def _decode_sizes(self) -> list[int]:
-        model = self.config.model
+    def _step_planner(self, backend: AttentionBackend) -> StepPlanner:
+        """Steps pad to graph sizes on CUDA with the Triton backend; elsewhere (the torch
+        backend reads host metadata in every layer) they run as scheduled."""
+        model, scheduler = self.config.model, self.config.scheduler
         if self.device.type != "cuda" or model.attention_backend != "triton":
-            return []
-        return batch_size_ladder(min(self.config.scheduler.max_num_seqs, _MAX_CUDA_GRAPH_BATCH))
+            return StepPlanner()
+        return StepPlanner.from_limits(
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens,
+            backend.max_short_step_tokens,
+            graphs=not model.enforce_eager,
+        )
 
-    def _mixed_sizes(self) -> list[int]:
-        if not self.decode_sizes:  # the same conditions: CUDA and the Triton backend
-            return []
-        return token_count_ladder(self.config.scheduler.max_num_batched_tokens)
-
-    def _capture(self, kind: type[GraphRunner], sizes: list[int]) -> GraphRunner | None:
-        if not sizes or self.config.model.enforce_eager:
-            return None
-        graphs = kind(self.model, self.kv_caches, self.input_batch, sizes, self.stream)
-        graphs.capture()
+    def _capture_graphs(self) -> dict[StepRunner, GraphRunner]:
+        graphs = {}
+        for runner, kind in _GRAPH_KINDS.items():
+            plans = self.planner.graph_plans(runner)
+            if plans:
+                graphs[runner] = kind(
+                    self.model, self.kv_caches, self.input_batch, plans, self.stream
+                )
+                graphs[runner].capture()
         return graphs
 
     def _sampling_metadata(
