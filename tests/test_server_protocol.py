@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import RequestOutputKind
 from asyncllm.server import protocol
 from asyncllm.server.protocol import ProtocolError, parse_chat, parse_completion
@@ -139,16 +140,19 @@ def test_unknown_fields_are_ignored() -> None:
     assert req.prompts == ["x"]
 
 
-def test_fields_the_engine_lacks_are_dropped(monkeypatch) -> None:
-    monkeypatch.setattr(protocol, "_SAMPLING_FIELDS", protocol._SAMPLING_FIELDS - {"min_p"})
-    assert parse_completion({"prompt": "x", "min_p": 0.3}).params.min_p == 0.0
-
-
 def test_context_length_errors_carry_openais_code() -> None:
-    error = protocol.from_value_error(
-        ValueError("prompt is 600 tokens long; the maximum model length is 512, ...")
+    error = protocol.from_validation_error(
+        ValidationError(
+            "prompt is 600 tokens long; the maximum model length is 512, ...",
+            code="context_length_exceeded",
+        )
     )
     assert (error.status, error.code) == (400, "context_length_exceeded")
+
+
+def test_engine_validation_errors_carry_their_param() -> None:
+    error = protocol.from_validation_error(ValidationError("no room.", param="logprobs"))
+    assert (error.status, error.param, error.message) == (400, "logprobs", "no room.")
 
 
 def test_malformed_json_is_400() -> None:

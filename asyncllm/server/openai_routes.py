@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from inspect import signature
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
@@ -18,6 +18,7 @@ from asyncllm.engine.input_processor import PromptType
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.server import protocol
 from asyncllm.server.protocol import GenerationRequest, ProtocolError
+from asyncllm.server.state import RESPONSE_ID, Admission, ServerState
 from asyncllm.server.streaming import (
     ChunkStream,
     json_response,
@@ -26,11 +27,6 @@ from asyncllm.server.streaming import (
     write_sse,
 )
 
-if TYPE_CHECKING:
-    from asyncllm.server.app import Admission, ServerState
-
-REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, or a fresh one
-RESPONSE_ID = web.RequestKey("response_id", str)  # the completion's id, for the access log
 _PARSERS = {"completions": protocol.parse_completion, "chat": protocol.parse_chat}
 # WebSocket frames may name the endpoint by its path too
 _ENDPOINTS = {
@@ -127,7 +123,7 @@ class OpenAIRoutes:
         if limit is not None and max(texts, default=0) > limit:
             raise ProtocolError(
                 f"the prompt is {max(texts)} characters long; at most {limit} can fit in the "
-                f"maximum model length ({self.engine.engine.config.model.max_model_len}).",
+                f"maximum model length ({self.engine.config.model.max_model_len}).",
                 param="messages" if req.kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
@@ -175,11 +171,11 @@ class OpenAIRoutes:
                         raise ProtocolError(output.error, status=500, type="internal_server_error")
                     yield output
         except ValueError as e:  # the input processor's validation
-            raise protocol.from_value_error(e) from e
+            raise protocol.from_validation_error(e) from e
 
     def _render_chat(self, req: GenerationRequest) -> str:
         try:
-            return self.engine.engine.input_processor.apply_chat_template(
+            return self.engine.input_processor.apply_chat_template(
                 req.messages, **req.chat_template_kwargs
             )
         except (ValueError, TypeError) as e:
@@ -213,7 +209,7 @@ class OpenAIRoutes:
     # -- the rest of the API -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        config = self.engine.engine.config.model
+        config = self.engine.config.model
         model = {
             "id": self.state.model_name,
             "object": "model",
@@ -229,9 +225,9 @@ class OpenAIRoutes:
         prompt, messages, add_special_tokens = protocol.parse_tokenize(await read_json(request))
         self._require_tokenizer()
         if messages is not None:
-            prompt = self.engine.engine.input_processor.apply_chat_template(messages)
+            prompt = self.engine.input_processor.apply_chat_template(messages)
         tokens = await self.engine.prompt_tokenizer.encode(prompt, add_special_tokens)
-        max_model_len = self.engine.engine.config.model.max_model_len
+        max_model_len = self.engine.config.model.max_model_len
         return json_response(
             {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
         )
@@ -239,7 +235,7 @@ class OpenAIRoutes:
     async def detokenize(self, request: web.Request) -> web.Response:
         tokens = protocol.parse_detokenize(await read_json(request))
         tokenizer = self._require_tokenizer()
-        vocab_size = self.engine.engine.input_processor.vocab_size
+        vocab_size = self.engine.input_processor.vocab_size
         if any(not 0 <= t < vocab_size for t in tokens):
             raise ProtocolError(f"tokens must be in [0, {vocab_size}).", param="tokens")
         loop = asyncio.get_running_loop()

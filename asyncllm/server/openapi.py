@@ -1,34 +1,28 @@
 """The OpenAPI 3 description of the server, served at /openapi.json for API fuzzers and
-client generators. Written by hand to match server/protocol.py; tests check it covers every
-route and that bodies built from its schemas are accepted."""
+client generators. Request bodies come from the table of fields the parser checks against
+(server/fields.py); tests check it covers every route and that bodies built from its schemas
+are accepted."""
 
 from __future__ import annotations
 
 from typing import Any
 
-Schema = dict[str, Any]
+from asyncllm.server.fields import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    TOKEN_IDS,
+    TOKENIZE,
+    Schema,
+    fields_for,
+)
 
 
 def _ref(name: str) -> Schema:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _integer(minimum: int | None = None, maximum: int | None = None) -> Schema:
-    schema: Schema = {"type": "integer"}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if maximum is not None:
-        schema["maximum"] = maximum
-    return schema
-
-
-def _number(minimum: float | None = None, maximum: float | None = None) -> Schema:
-    schema: Schema = {"type": "number"}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if maximum is not None:
-        schema["maximum"] = maximum
-    return schema
+_COUNT: Schema = {"type": "integer", "minimum": 0}
 
 
 def _nullable(schema: Schema) -> Schema:
@@ -60,44 +54,17 @@ def _response(object_name: str, content: dict[str, Schema]) -> Schema:
     }
 
 
-_TOKEN_IDS = {"type": "array", "items": _integer(0)}
-_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
-
-# the fields both generation routes share, with protocol.py's types and SamplingParams' ranges
-_SAMPLING_PROPERTIES: dict[str, Schema] = {
-    "model": {"type": "string"},
-    "stream": {"type": "boolean", "default": False},
-    "stream_options": {
+def _request(route: str) -> Schema:
+    """A route's request body, from the table of fields."""
+    fields = fields_for(route)
+    schema: Schema = {
         "type": "object",
-        "properties": {"include_usage": {"type": "boolean"}},
-    },
-    "n": _integer(1, 128),
-    "best_of": _integer(1, 128),
-    "temperature": _number(0),
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": _integer(-1),
-    "min_p": _number(0, 1),
-    "seed": _integer(),
-    "presence_penalty": _number(-2, 2),
-    "frequency_penalty": _number(-2, 2),
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-    "logit_bias": {"type": "object", "additionalProperties": _number(-100, 100)},
-    "min_tokens": _integer(0),
-    "ignore_eos": {"type": "boolean"},
-    "stop": _STOP,
-    "stop_token_ids": _TOKEN_IDS,
-    "include_stop_str_in_output": {"type": "boolean"},
-    "skip_special_tokens": {"type": "boolean"},
-    "prompt_logprobs": _integer(0),
-    "allowed_token_ids": _TOKEN_IDS,
-    "bad_words": {"type": "array", "items": {"type": "string", "minLength": 1}},
-    "priority": _integer(),
-    "timeout": {
-        "type": "number",
-        "exclusiveMinimum": 0,
-        "description": "seconds the whole request may take, queue included; then 408",
-    },
-}
+        "properties": {f.name: f.json_schema() for f in fields},
+        "additionalProperties": True,
+    }
+    required = [f.name for f in fields if f.required]
+    return {**schema, "required": required} if required else schema
+
 
 _CONTENT_PART = {
     "type": "object",
@@ -106,6 +73,10 @@ _CONTENT_PART = {
 }
 
 _SCHEMAS: dict[str, Schema] = {
+    "CompletionRequest": _request(COMPLETIONS),
+    "ChatCompletionRequest": _request(CHAT),
+    "TokenizeRequest": {**_request(TOKENIZE), "description": "exactly one of prompt and messages"},
+    "DetokenizeRequest": _request(DETOKENIZE),
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -122,25 +93,6 @@ _SCHEMAS: dict[str, Schema] = {
             }
         },
     },
-    "CompletionRequest": {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": {
-            "prompt": {
-                "oneOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                    {**_TOKEN_IDS, "minItems": 1},
-                    {"type": "array", "items": {**_TOKEN_IDS, "minItems": 1}, "minItems": 1},
-                ]
-            },
-            "max_tokens": _integer(1),
-            "echo": {"type": "boolean"},
-            "logprobs": _integer(0, 20),
-            **_SAMPLING_PROPERTIES,
-        },
-        "additionalProperties": True,
-    },
     "ChatMessage": {
         "type": "object",
         "required": ["role"],
@@ -151,26 +103,12 @@ _SCHEMAS: dict[str, Schema] = {
             ),
         },
     },
-    "ChatCompletionRequest": {
-        "type": "object",
-        "required": ["messages"],
-        "properties": {
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "max_tokens": _integer(1),
-            "max_completion_tokens": _integer(1),
-            "logprobs": {"type": "boolean"},
-            "top_logprobs": _integer(0, 20),
-            "chat_template_kwargs": {"type": "object"},
-            **_SAMPLING_PROPERTIES,
-        },
-        "additionalProperties": True,
-    },
     "Usage": {
         "type": "object",
         "properties": {
-            "prompt_tokens": _integer(0),
-            "completion_tokens": _integer(0),
-            "total_tokens": _integer(0),
+            "prompt_tokens": _COUNT,
+            "completion_tokens": _COUNT,
+            "total_tokens": _COUNT,
         },
     },
     "Completion": _response("text_completion", {"text": {"type": "string"}}),
@@ -182,27 +120,13 @@ _SCHEMAS: dict[str, Schema] = {
             "data": {"type": "array", "items": {"type": "object"}},
         },
     },
-    "TokenizeRequest": {
-        "type": "object",
-        "properties": {
-            "prompt": {"type": "string"},
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "add_special_tokens": {"type": "boolean"},
-        },
-        "description": "exactly one of prompt and messages",
-    },
     "TokenizeResponse": {
         "type": "object",
         "properties": {
             "count": {"type": "integer"},
             "max_model_len": {"type": "integer"},
-            "tokens": _TOKEN_IDS,
+            "tokens": TOKEN_IDS,
         },
-    },
-    "DetokenizeRequest": {
-        "type": "object",
-        "required": ["tokens"],
-        "properties": {"tokens": _TOKEN_IDS},
     },
     "DetokenizeResponse": {"type": "object", "properties": {"prompt": {"type": "string"}}},
 }

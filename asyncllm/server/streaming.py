@@ -273,5 +273,5 @@ def error_response(error: ProtocolError) -> web.Response:
     )
 
 
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+def json_response(data: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json")
