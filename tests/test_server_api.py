@@ -169,6 +169,18 @@ def test_sdk_raises_typed_errors(client) -> None:
     assert too_long.value.code == "context_length_exceeded"
 
 
+def test_sdk_raises_bad_request_for_missing_fields_and_wrong_types(client) -> None:
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.completions.create(model="tiny", prompt=[])
+    assert empty.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as wrong_type:
+        client.completions.create(model="tiny", prompt="x", extra_body={"top_k": "many"})
+    assert (wrong_type.value.code, wrong_type.value.body["param"]) == ("invalid_type", "top_k")
+    with pytest.raises(openai.BadRequestError) as missing:
+        client.chat.completions.create(model="tiny", messages=None)
+    assert missing.value.code == "missing_required_parameter"
+
+
 # -- the wire format -----------------------------------------------------------------------
 
 
@@ -208,10 +220,10 @@ async def test_first_chunk_arrives_long_before_the_last(server) -> None:
     ("body", "status", "param"),
     [
         (b"{not json", 400, None),
-        (b"[1, 2]", 422, None),
-        (b'{"max_tokens": 3}', 422, "prompt"),
-        (b'{"prompt": "x", "max_tokens": "3"}', 422, "max_tokens"),
-        (b'{"prompt": "x", "stop": 7}', 422, "stop"),
+        (b"[1, 2]", 400, None),
+        (b'{"max_tokens": 3}', 400, "prompt"),
+        (b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens"),
+        (b'{"prompt": "x", "stop": 7}', 400, "stop"),
         (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
         (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
         (b'{"prompt": [99999999]}', 400, "prompt_token_ids"),
@@ -233,7 +245,7 @@ async def test_unknown_fields_are_ignored_and_the_server_keeps_serving(server) -
         async with session.post(f"{server.url}/v1/completions", json=body) as response:
             assert response.status == 200
         async with session.post(f"{server.url}/v1/chat/completions", json={"messages": 3}) as r:
-            assert r.status == 422
+            assert r.status == 400
         async with session.get(f"{server.url}/health") as response:
             assert response.status == 200
 

@@ -24,10 +24,10 @@ def test_completion_prompt_forms(prompt, expected) -> None:
 
 
 @pytest.mark.parametrize("prompt", [None, [], 5, [1, "a"], [[]], [True, 2], {"a": 1}])
-def test_bad_prompts_are_422(prompt) -> None:
+def test_bad_prompts_are_400(prompt) -> None:
     with pytest.raises(ProtocolError) as error:
         parse_completion({"prompt": prompt})
-    assert error.value.status == 422 and error.value.param == "prompt"
+    assert error.value.status == 400 and error.value.param == "prompt"
 
 
 def test_completion_defaults_follow_openai() -> None:
@@ -95,21 +95,22 @@ def test_chat_max_tokens_defaults_to_the_context() -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "param"),
+    ("body", "code", "param"),
     [
-        ({"prompt": "x", "max_tokens": True}, 422, "max_tokens"),
-        ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
-        ({"prompt": "x", "stop": [1]}, 422, "stop"),
-        ({"prompt": "x", "stream": "yes"}, 422, "stream"),
-        ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
-        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "max_tokens": True}, "invalid_type", "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "invalid_type", "temperature"),
+        ({"prompt": "x", "stop": [1]}, "invalid_type", "stop"),
+        ({"prompt": "x", "stream": "yes"}, "invalid_type", "stream"),
+        ({"max_tokens": 3}, "missing_required_parameter", "prompt"),
+        ({"prompt": "x", "temperature": -0.5}, None, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, None, "max_tokens"),
+        ({"prompt": "x", "n": 0}, None, "n"),
     ],
 )
-def test_wrong_types_are_422_and_bad_values_400(body, status, param) -> None:
+def test_wrong_types_and_bad_values_are_400_naming_the_field(body, code, param) -> None:
     with pytest.raises(ProtocolError) as error:
         parse_completion(body)
-    assert (error.value.status, error.value.param) == (status, param)
+    assert (error.value.status, error.value.code, error.value.param) == (400, code, param)
     assert set(error.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -126,7 +127,7 @@ def test_wrong_types_are_422_and_bad_values_400(body, status, param) -> None:
 def test_bad_messages_are_refused(body) -> None:
     with pytest.raises(ProtocolError) as error:
         parse_chat(body)
-    assert error.value.status == 422
+    assert error.value.status == 400
 
 
 def test_top_logprobs_without_logprobs_is_400() -> None:

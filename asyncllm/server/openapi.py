@@ -132,12 +132,12 @@ _SCHEMAS: dict[str, Schema] = {
 }
 
 _ERRORS = {
-    "400": "malformed JSON or an out-of-range value",
+    "400": "malformed JSON, a missing field (code missing_required_parameter), a wrong type "
+    "(code invalid_type) or an out-of-range value; `param` names the field",
     "401": "a missing or wrong API key (with --api-key)",
     "404": "an unknown model",
     "408": "the request's own timeout ran out",
     "413": "a body over --max-request-body-bytes",
-    "422": "a missing field or a wrong type",
     "429": "over --max-concurrent-requests (Retry-After)",
     "503": "the queue is full, the wait too long, the server draining or the engine dead "
     "(Retry-After unless the engine is dead)",
@@ -166,7 +166,7 @@ def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "requestBody": _json_body(request),
-            "responses": {"200": ok, **_error_responses("400 401 404 408 413 422 429 503")},
+            "responses": {"200": ok, **_error_responses("400 401 404 408 413 429 503")},
         }
     }
 
@@ -185,7 +185,7 @@ def _post(summary: str, request: str, response: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "requestBody": _json_body(request),
-            "responses": {"200": ok, **_error_responses("400 401 413 422")},
+            "responses": {"200": ok, **_error_responses("400 401 413")},
         }
     }
 

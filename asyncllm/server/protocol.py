@@ -77,7 +77,7 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object.", status=422)
+        raise ProtocolError("the request body must be a JSON object.")
     return body
 
 
@@ -146,20 +146,24 @@ def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
 
 def checked_fields(body: dict[str, Any], route: str) -> dict[str, Any]:
     """The route's fields the body holds (null counts as absent), each of its JSON type (else
-    422) and, for the server's own fields, in range (else 400). Unknown fields are ignored."""
+    400, code invalid_type) and, for the server's own fields, in range (else 400). Unknown fields
+    are ignored."""
     values = {}
     for f in fields_for(route):
         value = body.get(f.name)
         if value is not None:
             values[f.name] = _checked(f, value, f.name)
         elif f.required:
-            raise ProtocolError(f"{f.name} is required.", status=422, param=f.name)
+            raise ProtocolError(
+                f"{f.name} is required.", param=f.name, code="missing_required_parameter"
+            )
     return values
 
 
 def _checked(f: Field, value: Any, path: str) -> Any:
     if not f.accepts(value):
-        raise ProtocolError(f"{path} must be {f.type_text()}.", status=422, param=path)
+        message = f"{path} must be {f.type_text()}."
+        raise ProtocolError(message, param=path, code="invalid_type")
     if f.members:
         value = {**value}
         for member in f.members:
@@ -183,7 +187,6 @@ def _parse_prompt(prompt: str | list[Any]) -> list[PromptType]:
     raise ProtocolError(
         "prompt must be a string, an array of strings, an array of token ids "
         "or an array of token-id arrays.",
-        status=422,
         param="prompt",
     )
 
@@ -197,7 +200,7 @@ def _is_token_ids(value: Any) -> bool:
 def _parse_messages(messages: list[Any]) -> list[dict[str, Any]]:
     if not messages:
         raise ProtocolError(
-            "messages must be a non-empty array of message objects.", status=422, param="messages"
+            "messages must be a non-empty array of message objects.", param="messages"
         )
     return [_parse_message(m, i) for i, m in enumerate(messages)]
 
@@ -205,10 +208,10 @@ def _parse_messages(messages: list[Any]) -> list[dict[str, Any]]:
 def _parse_message(message: Any, index: int) -> dict[str, Any]:
     param = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise ProtocolError(f"{param} must be an object.", status=422, param=param)
+        raise ProtocolError(f"{param} must be an object.", param=param)
     role = message.get("role")
     if not isinstance(role, str):
-        raise ProtocolError(f"{param}.role must be a string.", status=422, param=f"{param}.role")
+        raise ProtocolError(f"{param}.role must be a string.", param=f"{param}.role")
     return {**message, "content": _message_text(message.get("content"), param)}
 
 
@@ -219,7 +222,6 @@ def _message_text(content: Any, param: str) -> str:
     if not isinstance(content, list):
         raise ProtocolError(
             f"{param}.content must be a string or an array of content parts.",
-            status=422,
             param=f"{param}.content",
         )
     texts = []
@@ -232,7 +234,6 @@ def _message_text(content: Any, param: str) -> str:
         if not isinstance(part.get("text"), str):
             raise ProtocolError(
                 f"{param}.content: a text part needs a string text.",
-                status=422,
                 param=f"{param}.content",
             )
         texts.append(part["text"])
@@ -269,7 +270,7 @@ def parse_tokenize(body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any
     values = checked_fields(body, TOKENIZE)
     prompt, messages = values.get("prompt"), values.get("messages")
     if (prompt is None) == (messages is None):
-        raise ProtocolError("give either prompt or messages.", status=422, param="prompt")
+        raise ProtocolError("give either prompt or messages.", param="prompt")
     if messages is not None:
         messages = _parse_messages(messages)
     return prompt, messages, values.get("add_special_tokens", messages is None)

@@ -213,7 +213,7 @@ class WebSocketSession:
             await self._send_error(request_id, error)
             return
         if not isinstance(body, dict):
-            error = ProtocolError("body must be an object.", status=422, param="body")
+            error = ProtocolError("body must be an object.", param="body")
             await self._send_error(request_id, error)
             await self._send({"type": "done", "id": request_id})
             return
