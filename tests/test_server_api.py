@@ -145,7 +145,7 @@ def test_sdk_chat_with_n_and_logprobs(client) -> None:
     assert sorted(c.index for c in reply.choices) == [0, 1]
     for choice in reply.choices:
         tokens = choice.logprobs.content
-        assert len(tokens) == 3 and all(len(t.top_logprobs) == 2 for t in tokens)
+        assert len(tokens) == 3 and all(2 <= len(t.top_logprobs) <= 3 for t in tokens)  # + sampled
         assert "".join(t.token for t in tokens) == choice.message.content
     assert reply.usage.completion_tokens == 6
 
@@ -154,7 +154,7 @@ def test_sdk_completion_logprobs(client) -> None:
     reply = client.completions.create(model="tiny", prompt="hi", max_tokens=4, logprobs=3)
     logprobs = reply.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
-    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert all(3 <= len(top) <= 4 for top in logprobs.top_logprobs)  # the top 3 + the sampled
     assert logprobs.text_offset[0] == 0
 
 
@@ -179,6 +179,120 @@ def test_sdk_raises_bad_request_for_missing_fields_and_wrong_types(client) -> No
     with pytest.raises(openai.BadRequestError) as missing:
         client.chat.completions.create(model="tiny", messages=None)
     assert missing.value.code == "missing_required_parameter"
+
+
+# -- logprobs -------------------------------------------------------------------------------
+
+
+async def post_json(server: ServerProcess, path: str, body: dict) -> tuple[int, dict]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}{path}", json=body) as response,
+    ):
+        return response.status, await response.json()
+
+
+def test_logprobs_0_still_holds_the_sampled_token(client) -> None:
+    reply = client.completions.create(model="tiny", prompt="hi", max_tokens=5, logprobs=0)
+    logprobs = reply.choices[0].logprobs
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top == {token: logprob}
+
+
+def test_top_logprobs_hold_the_top_n_plus_the_sampled_token(client) -> None:
+    hot = {"temperature": 5.0, "seed": 3, "max_tokens": 24}
+    reply = client.completions.create(model="tiny", prompt="hi", logprobs=1, **hot)
+    logprobs = reply.choices[0].logprobs
+    outside_top_1 = 0
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+        outside_top_1 += len(top) == 2
+        assert max(top.values()) >= logprob
+    assert outside_top_1 > 0  # at this temperature most sampled tokens are not the top one
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, logprobs=True, top_logprobs=1, **hot
+    )
+    for entry in chat.choices[0].logprobs.content:
+        alternatives = {t.token: t.logprob for t in entry.top_logprobs}
+        assert alternatives[entry.token] == entry.logprob and 1 <= len(alternatives) <= 2
+
+
+def check_echoed_logprobs(text: str, logprobs: dict, num_tokens: int) -> None:
+    assert len(logprobs["tokens"]) == len(logprobs["text_offset"]) == num_tokens
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp is not None for lp in logprobs["token_logprobs"][1:])
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+        assert text[offset : offset + len(token)] == token
+
+
+async def test_echo_with_logprobs_covers_the_prompt_and_the_output(server) -> None:
+    body = {"prompt": "Hello world, this is", "max_tokens": 4, "ignore_eos": True, "logprobs": 2}
+    status, reply = await post_json(server, "/v1/completions", {**body, "echo": True})
+    assert status == 200
+    choice, usage = reply["choices"][0], reply["usage"]
+    assert choice["text"].startswith("Hello world, this is")
+    check_echoed_logprobs(choice["text"], choice["logprobs"], usage["total_tokens"])
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{server.url}/v1/completions", json={**body, "echo": True, "stream": True}
+        ) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    merged: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for chunk in chunks:
+        for name, values in (chunk["choices"][0]["logprobs"] or {}).items():
+            merged[name] += values
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    check_echoed_logprobs(text, merged, usage["total_tokens"])
+
+
+async def test_max_tokens_0_with_echo_scores_the_prompt(server) -> None:
+    body = {"prompt": "Hello world", "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, reply = await post_json(server, "/v1/completions", body)
+    assert status == 200
+    choice, usage = reply["choices"][0], reply["usage"]
+    assert choice["text"] == "Hello world" and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0
+    check_echoed_logprobs(choice["text"], choice["logprobs"], usage["prompt_tokens"])
+    status, error = await post_json(server, "/v1/completions", {**body, "echo": False})
+    assert status == 400 and error["error"]["param"] == "max_tokens"
+
+
+def check_prompt_logprobs(prompt_logprobs: list, prompt_token_ids: list[int], top: int) -> None:
+    assert len(prompt_logprobs) == len(prompt_token_ids) and prompt_logprobs[0] is None
+    for token_id, entry in zip(prompt_token_ids[1:], prompt_logprobs[1:]):
+        assert str(token_id) in entry and 1 <= len(entry) <= top + 1
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+
+
+async def test_prompt_logprobs_are_returned_in_each_choice(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{server.url}/tokenize", json={"prompt": "The sky is"}) as r:
+            prompt_ids = (await r.json())["tokens"]
+        async with session.post(f"{server.url}/tokenize", json={"messages": CHAT}) as r:
+            chat_ids = (await r.json())["tokens"]
+    body = {"prompt": "The sky is", "max_tokens": 2, "prompt_logprobs": 2, "n": 2}
+    status, reply = await post_json(server, "/v1/completions", body)
+    assert status == 200 and len(reply["choices"]) == 2
+    for choice in reply["choices"]:
+        check_prompt_logprobs(choice["prompt_logprobs"], prompt_ids, 2)
+    chat = {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1}
+    status, reply = await post_json(server, "/v1/chat/completions", chat)
+    check_prompt_logprobs(reply["choices"][0]["prompt_logprobs"], chat_ids, 1)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    for index in (0, 1):
+        first = next(c["choices"][0] for c in chunks if c["choices"][0]["index"] == index)
+        check_prompt_logprobs(first["prompt_logprobs"], prompt_ids, 2)
 
 
 # -- the wire format -----------------------------------------------------------------------

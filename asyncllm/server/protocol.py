@@ -96,6 +96,8 @@ class GenerationRequest:
     echo: bool = False
     priority: int = 0
     logprobs: int | None = None  # top-N alternatives per token; None: no logprobs
+    prompt_logprobs: int | None = None  # as asked; echo with logprobs asks the engine too
+    echo_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated
     timeout: float | None = None  # seconds the whole request may take, queue included
 
     @property
@@ -109,14 +111,27 @@ class GenerationRequest:
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     values = checked_fields(body, COMPLETIONS)
-    params = _sampling_params(values, COMPLETIONS)
+    echo = values.get("echo", False)
+    echo_only = echo and values.get("max_tokens") == 0
+    params = _sampling_params(values, COMPLETIONS, **_echo_overrides(values, echo_only))
     return GenerationRequest(
         kind="completion",
         prompts=_parse_prompt(values["prompt"]),
-        echo=values.get("echo", False),
+        echo=echo,
+        echo_only=echo_only,
         logprobs=params.logprobs,
         **_common(values, params),
     )
+
+
+def _echo_overrides(values: dict[str, Any], echo_only: bool) -> dict[str, Any]:
+    """Echo with logprobs covers the prompt's tokens too: the engine scores them. max_tokens 0
+    with echo (vLLM's way to score a prompt) runs one token, which the answer leaves out."""
+    overrides: dict[str, Any] = {"max_tokens": 1} if echo_only else {}
+    logprobs = values.get("logprobs")
+    if values.get("echo") and logprobs is not None:
+        overrides["prompt_logprobs"] = max(values.get("prompt_logprobs") or 0, logprobs)
+    return overrides
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationRequest:
@@ -140,6 +155,7 @@ def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
         "stream": stream,
         "include_usage": stream and values.get("stream_options", {}).get("include_usage", False),
         "priority": values.get("priority", 0),
+        "prompt_logprobs": values.get("prompt_logprobs"),
         "timeout": values.get("timeout"),
     }
 
