@@ -102,6 +102,8 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValidationError(f"min_p must be in [0, 1], got {self.min_p}.", "min_p")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValidationError(f"seed must be in [-2^63, 2^63 - 1], got {self.seed}.", "seed")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

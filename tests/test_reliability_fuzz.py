@@ -336,7 +336,7 @@ def from_schema(schema: dict, spec: dict) -> st.SearchStrategy:
         return st.floats(low, high, exclude_min="exclusiveMinimum" in schema)
     if kind == "boolean":
         return st.booleans()
-    return st.text(max_size=20)
+    return st.text(min_size=schema.get("minLength", 0), max_size=20)
 
 
 @pytest.fixture(scope="module")

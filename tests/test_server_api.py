@@ -13,6 +13,7 @@ import pytest
 from test_server_support import ServerProcess, parse_metrics, parse_sse, tiny_server_args
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
+JSON = {"Content-Type": "application/json"}
 CHAT = [{"role": "user", "content": "Say hello."}]
 
 
@@ -295,6 +296,100 @@ async def test_prompt_logprobs_are_returned_in_each_choice(server) -> None:
         check_prompt_logprobs(first["prompt_logprobs"], prompt_ids, 2)
 
 
+# -- what OpenAI and vLLM answer -----------------------------------------------------------
+
+
+async def test_stream_options_without_stream_are_refused(server) -> None:
+    body = {"prompt": "x", "max_tokens": 1, "stream_options": {"include_usage": True}}
+    status, error = await post_json(server, "/v1/completions", body)
+    assert status == 400 and error["error"]["param"] == "stream_options"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status == 200 and parse_sse(await r.read())[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(
+    ("seed", "status"),
+    [(-(2**63), 200), (2**63 - 1, 200), (-(2**63) - 1, 400), (2**63, 400), (2**64, 400)],
+)
+async def test_seed_takes_exactly_the_int64_range(server, seed, status) -> None:
+    body = {"prompt": "x", "max_tokens": 1, "seed": seed}
+    answer_status, answer = await post_json(server, "/v1/completions", body)
+    assert answer_status == status
+    if status == 400:
+        assert answer["error"]["param"] == "seed" and "2^63" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+async def test_bodies_declared_as_anything_but_json_are_415(server, content_type) -> None:
+    body = orjson.dumps({"prompt": "x", "max_tokens": 1})
+    async with aiohttp.ClientSession() as session:
+        for path in ("/v1/completions", "/tokenize"):
+            headers = {"Content-Type": content_type}
+            async with session.post(f"{server.url}{path}", data=body, headers=headers) as r:
+                assert (
+                    r.status == 415
+                    and (await r.json())["error"]["code"] == "unsupported_media_type"
+                )
+        headers = {"Content-Type": "application/json; charset=utf-8"}
+        async with session.post(f"{server.url}/v1/completions", data=body, headers=headers) as r:
+            assert r.status == 200
+
+
+async def test_max_tokens_beyond_the_context_left_is_refused(server) -> None:
+    prompt = [5] * 500  # of 512
+    status, error = await post_json(server, "/v1/completions", {"prompt": prompt, "max_tokens": 13})
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded"
+    assert error["error"]["param"] == "max_tokens"
+    assert all(str(n) in error["error"]["message"] for n in (512, 513, 500, 13))
+    status, reply = await post_json(server, "/v1/completions", {"prompt": prompt, "max_tokens": 12})
+    assert status == 200
+    status, reply = await post_json(server, "/v1/completions", {"prompt": prompt, "min_tokens": 0})
+    assert status == 200 and reply["usage"]["completion_tokens"] <= 12  # 16 clamped to the room
+    chat = {"messages": [{"role": "user", "content": "hi " * 200}], "max_completion_tokens": 500}
+    status, error = await post_json(server, "/v1/chat/completions", chat)
+    assert status == 400 and error["error"]["param"] == "max_completion_tokens"
+
+
+async def test_openapi_is_valid_and_documents_a_plain_get_of_the_websocket(server) -> None:
+    from openapi_spec_validator import validate
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{server.url}/openapi.json") as response:
+            spec = await response.json()
+        async with session.get(f"{server.url}/v1/stream") as response:
+            status, error = response.status, await response.json()
+    validate(spec)
+    assert status == 400 and "error" in error
+    assert "400" in spec["paths"]["/v1/stream"]["get"]["responses"]
+    events = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert events["text/event-stream"]["x-event-data"]["$ref"].endswith("ChatCompletionChunk")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "", "content": "hi"},
+        {"role": ""},
+        {"role": "user"},
+        {"role": "user", "content": None},
+    ],
+)
+async def test_chat_messages_need_a_role_and_content(server, message) -> None:
+    status, error = await post_json(server, "/v1/chat/completions", {"messages": [message]})
+    assert status == 400 and error["error"]["param"].startswith("messages[0].")
+
+
+async def test_custom_roles_and_an_assistant_without_content_are_accepted(server) -> None:
+    messages = [{"role": "narrator", "content": "Once."}, *CHAT, {"role": "assistant"}]
+    status, _ = await post_json(
+        server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}
+    )
+    assert status == 200
+
+
 # -- the wire format -----------------------------------------------------------------------
 
 
@@ -346,7 +441,7 @@ async def test_first_chunk_arrives_long_before_the_last(server) -> None:
 async def test_bad_requests_get_the_openai_error_shape(server, body, status, param) -> None:
     async with aiohttp.ClientSession() as session:
         url = f"{server.url}/v1/completions"
-        async with session.post(url, data=body) as response:
+        async with session.post(url, data=body, headers=JSON) as response:
             error = await response.json()
             assert response.status == status
     assert set(error["error"]) == {"message", "type", "param", "code"}

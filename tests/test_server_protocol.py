@@ -44,9 +44,10 @@ def test_streams_ask_the_engine_for_deltas() -> None:
     assert req.params.output_kind == RequestOutputKind.DELTA and req.include_usage
 
 
-def test_include_usage_needs_stream() -> None:
-    req = parse_completion({"prompt": "x", "stream_options": {"include_usage": True}})
-    assert not req.include_usage
+def test_stream_options_need_stream() -> None:
+    with pytest.raises(ProtocolError) as error:
+        parse_completion({"prompt": "x", "stream_options": {"include_usage": True}})
+    assert (error.value.status, error.value.param) == (400, "stream_options")
 
 
 def test_sampling_fields_map_to_vllm_names() -> None:

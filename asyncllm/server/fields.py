@@ -141,6 +141,30 @@ _MESSAGES_SCHEMA: Schema = {
     "items": {"$ref": "#/components/schemas/ChatMessage"},
     "minItems": 1,
 }
+_CONTENT_PART: Schema = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+}
+MESSAGE_FIELDS = (
+    Field(
+        "role",
+        "string",
+        "user, assistant, system, tool, or a role of the chat template's own",
+        required=True,
+        schema={"type": "string", "minLength": 1},
+    ),
+    Field(
+        "content",
+        ("string", "array"),
+        "text, or text content parts; only an assistant message may leave it out",
+        schema={
+            "oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}],
+            "nullable": True,
+        },
+    ),
+    Field("name", "string", "the author's name, for the chat template"),
+)
 _STREAM_OPTIONS = (
     Field("include_usage", "boolean", "end the stream with a chunk holding the usage"),
 )
@@ -223,7 +247,14 @@ FIELDS: tuple[Field, ...] = (
         minimum=0,
         maximum=1,
     ),
-    Field("seed", "integer", "makes sampling reproducible", param="seed"),
+    Field(
+        "seed",
+        "integer",
+        "makes sampling reproducible (a signed 64-bit integer)",
+        param="seed",
+        minimum=-(2**63),
+        maximum=2**63 - 1,
+    ),
     Field(
         "presence_penalty",
         "number",

@@ -9,7 +9,7 @@ from contextlib import aclosing
 from inspect import signature
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from transformers import PreTrainedTokenizerBase
 
 from asyncllm.engine.input_processor import PromptType
@@ -39,6 +39,14 @@ MAX_CHOICES = 128  # prompts x samples in one request: each is an engine request
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; one declared as anything but JSON is refused (415)."""
+    declared = hdrs.CONTENT_TYPE in request.headers
+    if declared and not _is_json(request.content_type):
+        raise ProtocolError(
+            f"the body must be JSON (Content-Type: application/json), not {request.content_type}.",
+            status=415,
+            code="unsupported_media_type",
+        )
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
@@ -48,6 +56,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
             code="request_too_large",
         ) from e
     return protocol.decode_json_body(raw)
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
 
 
 class OpenAIRoutes:
@@ -158,10 +170,11 @@ class OpenAIRoutes:
         self, prompt: PromptType, req: GenerationRequest, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         tracker = self.state.metrics.tracker()
-        outputs = self.engine.generate(
-            prompt, req.params, request_id, req.priority, req.add_special_tokens
-        )
         try:
+            prompt = await self._with_token_ids(prompt, req)
+            outputs = self.engine.generate(
+                prompt, req.params, request_id, req.priority, req.add_special_tokens
+            )
             async with aclosing(outputs):
                 async for output in outputs:
                     tracker.observe(output)
@@ -170,6 +183,32 @@ class OpenAIRoutes:
                     yield output
         except ValueError as e:  # the input processor's validation
             raise protocol.from_validation_error(e) from e
+
+    async def _with_token_ids(self, prompt: PromptType, req: GenerationRequest) -> PromptType:
+        """Tokenized here, not in the engine, to check an explicit max_tokens against the room the
+        prompt leaves."""
+        text = self.engine.input_processor.prompt_text(prompt)
+        if text is not None:
+            token_ids = await self.engine.prompt_tokenizer.encode(text, req.add_special_tokens)
+            prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        self._check_room(len(prompt["prompt_token_ids"]), req)
+        return prompt
+
+    def _check_room(self, prompt_tokens: int, req: GenerationRequest) -> None:
+        """A max_tokens the request sets must fit beside the prompt; an omitted one is clamped to
+        the room left."""
+        if req.max_tokens_field is None:
+            return
+        limit = self.engine.config.model.max_model_len
+        wanted = 0 if req.echo_only else req.params.max_tokens
+        if prompt_tokens + wanted > limit:
+            raise ProtocolError(
+                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"{prompt_tokens + wanted} ({prompt_tokens} in the prompt, {wanted} for the "
+                f"completion): shorten the prompt or lower {req.max_tokens_field}.",
+                param=req.max_tokens_field,
+                code="context_length_exceeded",
+            )
 
     def _render_chat(self, req: GenerationRequest) -> str:
         try:

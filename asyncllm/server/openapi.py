@@ -5,14 +5,17 @@ are accepted."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.server.fields import (
     CHAT,
     COMPLETIONS,
     DETOKENIZE,
+    MESSAGE_FIELDS,
     TOKEN_IDS,
     TOKENIZE,
+    Field,
     Schema,
     fields_for,
 )
@@ -38,6 +41,13 @@ def _response(object_name: str, content: dict[str, Schema]) -> Schema:
             **content,
             "logprobs": _nullable({"type": "object"}),
             "finish_reason": _nullable({"type": "string"}),
+            "stop_reason": _nullable({"oneOf": [{"type": "string"}, {"type": "integer"}]}),
+            "prompt_logprobs": {
+                "type": "array",
+                "items": _nullable({"type": "object"}),
+                "description": "with prompt_logprobs: per prompt token (null first), token id -> "
+                "{logprob, rank, decoded_token}",
+            },
         },
     }
     return {
@@ -49,14 +59,17 @@ def _response(object_name: str, content: dict[str, Schema]) -> Schema:
             "created": {"type": "integer"},
             "model": {"type": "string"},
             "choices": {"type": "array", "items": choice},
-            "usage": _ref("Usage"),
+            "usage": {"allOf": [_ref("Usage")], "nullable": True},
         },
     }
 
 
 def _request(route: str) -> Schema:
     """A route's request body, from the table of fields."""
-    fields = fields_for(route)
+    return _object(fields_for(route))
+
+
+def _object(fields: Sequence[Field]) -> Schema:
     schema: Schema = {
         "type": "object",
         "properties": {f.name: f.json_schema() for f in fields},
@@ -65,12 +78,6 @@ def _request(route: str) -> Schema:
     required = [f.name for f in fields if f.required]
     return {**schema, "required": required} if required else schema
 
-
-_CONTENT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
-}
 
 _SCHEMAS: dict[str, Schema] = {
     "CompletionRequest": _request(COMPLETIONS),
@@ -93,16 +100,7 @@ _SCHEMAS: dict[str, Schema] = {
             }
         },
     },
-    "ChatMessage": {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {"type": "string"},
-            "content": _nullable(
-                {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}]}
-            ),
-        },
-    },
+    "ChatMessage": _object(MESSAGE_FIELDS),
     "Usage": {
         "type": "object",
         "properties": {
@@ -113,6 +111,15 @@ _SCHEMAS: dict[str, Schema] = {
     },
     "Completion": _response("text_completion", {"text": {"type": "string"}}),
     "ChatCompletion": _response("chat.completion", {"message": _ref("ChatMessage")}),
+    "ChatCompletionChunk": _response(
+        "chat.completion.chunk",
+        {
+            "delta": {
+                "type": "object",
+                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+            }
+        },
+    ),
     "ModelList": {
         "type": "object",
         "properties": {
@@ -138,6 +145,7 @@ _ERRORS = {
     "404": "an unknown model",
     "408": "the request's own timeout ran out",
     "413": "a body over --max-request-body-bytes",
+    "415": "a body declared (Content-Type) as anything but JSON",
     "429": "over --max-concurrent-requests (Retry-After)",
     "503": "the queue is full, the wait too long, the server draining or the engine dead "
     "(Retry-After unless the engine is dead)",
@@ -153,20 +161,25 @@ def _json_body(schema_name: str) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": _ref(schema_name)}}}
 
 
-def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
-    ok = {
-        "description": "the response object, or with stream: true an SSE stream of chunks "
-        "ending in `data: [DONE]`",
-        "content": {
-            "application/json": {"schema": _ref(response)},
-            "text/event-stream": {"schema": {"type": "string"}},
+def _generation(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    events = {
+        "schema": {
+            "type": "string",
+            "description": f"`data: <{chunk} as JSON>` events, one per chunk (`data: <Error as "
+            "JSON>` for a failure once the stream has started); `: keep-alive` comments while "
+            "the request waits; `data: [DONE]` last",
         },
+        "x-event-data": _ref(chunk),
+    }
+    ok = {
+        "description": "the response object, or with stream: true an SSE stream of chunks",
+        "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": events},
     }
     return {
         "post": {
             "summary": summary,
             "requestBody": _json_body(request),
-            "responses": {"200": ok, **_error_responses("400 401 404 408 413 429 503")},
+            "responses": {"200": ok, **_error_responses("400 401 404 408 413 415 429 503")},
         }
     }
 
@@ -185,7 +198,7 @@ def _post(summary: str, request: str, response: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "requestBody": _json_body(request),
-            "responses": {"200": ok, **_error_responses("400 401 413")},
+            "responses": {"200": ok, **_error_responses("400 401 413 415")},
         }
     }
 
@@ -196,13 +209,17 @@ def openapi_spec(prefix: str = "", version: str = "unknown") -> dict[str, Any]:
         "WebSocket upgrade: JSON frames {type: request|cancel, id, endpoint, body}; the server "
         "answers chunk, error and done frames",
         None,
-        "401",
+        "400 401",
     )
-    websocket["get"]["responses"]["101"] = {"description": "switching to the WebSocket"}
+    responses = websocket["get"]["responses"]
+    responses["101"] = {"description": "switching to the WebSocket"}
+    responses["400"] = {**responses["400"], "description": "a GET without a WebSocket upgrade"}
     paths = {
-        "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
+        "/v1/completions": _generation(
+            "Text completion", "CompletionRequest", "Completion", "Completion"
+        ),
         "/v1/chat/completions": _generation(
-            "Chat completion", "ChatCompletionRequest", "ChatCompletion"
+            "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
         ),
         "/v1/stream": websocket,
         "/v1/models": _get("The served model", _ref("ModelList"), "401"),

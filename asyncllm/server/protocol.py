@@ -7,6 +7,7 @@ fails either never reaches the engine.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from asyncllm.server.fields import (
     CHAT,
     COMPLETIONS,
     DETOKENIZE,
+    MESSAGE_FIELDS,
     TOKENIZE,
     Field,
     fields_for,
@@ -98,6 +100,7 @@ class GenerationRequest:
     logprobs: int | None = None  # top-N alternatives per token; None: no logprobs
     prompt_logprobs: int | None = None  # as asked; echo with logprobs asks the engine too
     echo_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated
+    max_tokens_field: str | None = None  # the field that set max_tokens; None: left out
     timeout: float | None = None  # seconds the whole request may take, queue included
 
     @property
@@ -149,6 +152,10 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
 def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
     """The GenerationRequest fields both routes share."""
     stream = values.get("stream", False)
+    if "stream_options" in values and not stream:
+        raise ProtocolError(
+            "stream_options is only allowed with stream: true.", param="stream_options"
+        )
     return {
         "model": values.get("model"),
         "params": params,
@@ -156,38 +163,51 @@ def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
         "include_usage": stream and values.get("stream_options", {}).get("include_usage", False),
         "priority": values.get("priority", 0),
         "prompt_logprobs": values.get("prompt_logprobs"),
+        "max_tokens_field": next(
+            (name for name in ("max_completion_tokens", "max_tokens") if name in values), None
+        ),
         "timeout": values.get("timeout"),
     }
 
 
 def checked_fields(body: dict[str, Any], route: str) -> dict[str, Any]:
-    """The route's fields the body holds (null counts as absent), each of its JSON type (else
-    400, code invalid_type) and, for the server's own fields, in range (else 400). Unknown fields
-    are ignored."""
+    return checked_values(body, fields_for(route))
+
+
+def checked_values(body: dict[str, Any], fields: Iterable[Field], at: str = "") -> dict[str, Any]:
+    """The fields the body holds (null counts as absent), each of its JSON type (else 400, code
+    invalid_type) and, for the server's own fields, in range (else 400); `at` is where the body
+    sits in the request. Unknown fields are ignored."""
     values = {}
-    for f in fields_for(route):
-        value = body.get(f.name)
+    for f in fields:
+        value, path = body.get(f.name), at + f.name
         if value is not None:
-            values[f.name] = _checked(f, value, f.name)
+            values[f.name] = _checked(f, value, path)
         elif f.required:
             raise ProtocolError(
-                f"{f.name} is required.", param=f.name, code="missing_required_parameter"
+                f"{path} is required.", param=path, code="missing_required_parameter"
             )
     return values
 
 
 def _checked(f: Field, value: Any, path: str) -> Any:
+    if "integer" in f.types and _outside_int64(value):
+        raise ProtocolError(f"{path} must be an integer in [-2^63, 2^63 - 1].", param=path)
     if not f.accepts(value):
         message = f"{path} must be {f.type_text()}."
         raise ProtocolError(message, param=path, code="invalid_type")
     if f.members:
-        value = {**value}
-        for member in f.members:
-            if value.get(member.name) is not None:
-                value[member.name] = _checked(member, value[member.name], f"{path}.{member.name}")
+        value = {**value, **checked_values(value, f.members, f"{path}.")}
     if f.param is None and f.has_range and not f.in_range(value):
         raise ProtocolError(f"{path} must be {f.range_text()}.", param=path)
     return float(value) if f.types == ("number",) else value
+
+
+def _outside_int64(value: Any) -> bool:
+    """orjson reads an integer beyond 64 bits as a float: an integral one that large was one."""
+    if isinstance(value, float):
+        return value.is_integer() and abs(value) >= 2**63
+    return is_json_type(value, "integer") and not -(2**63) <= value < 2**63
 
 
 def _parse_prompt(prompt: str | list[Any]) -> list[PromptType]:
@@ -222,24 +242,22 @@ def _parse_messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 def _parse_message(message: Any, index: int) -> dict[str, Any]:
-    param = f"messages[{index}]"
+    at = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise ProtocolError(f"{param} must be an object.", param=param)
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise ProtocolError(f"{param}.role must be a string.", param=f"{param}.role")
-    return {**message, "content": _message_text(message.get("content"), param)}
+        raise ProtocolError(f"{at} must be an object.", param=at)
+    values = checked_values(message, MESSAGE_FIELDS, f"{at}.")
+    if not values["role"]:
+        raise ProtocolError(f"{at}.role must not be empty.", param=f"{at}.role")
+    if "content" not in values and values["role"] != "assistant":
+        message_text = f"{at}.content is required: only an assistant message may leave it out."
+        raise ProtocolError(message_text, param=f"{at}.content")
+    return {**message, "content": _message_text(values.get("content"), at)}
 
 
-def _message_text(content: Any, param: str) -> str:
+def _message_text(content: str | list[Any] | None, param: str) -> str:
     """String content as is; an array of content parts joined (text parts only)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if not isinstance(content, list):
-        raise ProtocolError(
-            f"{param}.content must be a string or an array of content parts.",
-            param=f"{param}.content",
-        )
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text":
