@@ -390,6 +390,30 @@ async def test_custom_roles_and_an_assistant_without_content_are_accepted(server
     assert status == 200
 
 
+# -- vLLM's extensions ---------------------------------------------------------------------
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "hi", "max_tokens": 5, "ignore_eos": True, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json={**body, "stream_options": options}) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+
+
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client) -> None:
+    prompt = list(range(1000, 1100))
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+
+
 # -- the wire format -----------------------------------------------------------------------
 
 

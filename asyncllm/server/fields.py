@@ -167,6 +167,11 @@ MESSAGE_FIELDS = (
 )
 _STREAM_OPTIONS = (
     Field("include_usage", "boolean", "end the stream with a chunk holding the usage"),
+    Field(
+        "continuous_usage_stats",
+        "boolean",
+        "with include_usage, every chunk holds the usage so far (vLLM)",
+    ),
 )
 
 FIELDS: tuple[Field, ...] = (

@@ -107,6 +107,10 @@ _SCHEMAS: dict[str, Schema] = {
             "prompt_tokens": _COUNT,
             "completion_tokens": _COUNT,
             "total_tokens": _COUNT,
+            "prompt_tokens_details": {
+                "type": "object",
+                "properties": {"cached_tokens": {**_COUNT, "description": "prefix cache hits"}},
+            },
         },
     },
     "Completion": _response("text_completion", {"text": {"type": "string"}}),

@@ -95,6 +95,7 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # the usage so far in every chunk
     echo: bool = False
     priority: int = 0
     logprobs: int | None = None  # top-N alternatives per token; None: no logprobs
@@ -156,11 +157,15 @@ def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
         raise ProtocolError(
             "stream_options is only allowed with stream: true.", param="stream_options"
         )
+    options = values.get("stream_options", {})
     return {
         "model": values.get("model"),
         "params": params,
         "stream": stream,
-        "include_usage": stream and values.get("stream_options", {}).get("include_usage", False),
+        "include_usage": stream and options.get("include_usage", False),
+        "continuous_usage": stream
+        and options.get("include_usage", False)
+        and options.get("continuous_usage_stats", False),
         "priority": values.get("priority", 0),
         "prompt_logprobs": values.get("prompt_logprobs"),
         "max_tokens_field": next(

@@ -13,21 +13,23 @@ from asyncllm.server.protocol import GenerationRequest
 
 @dataclass
 class Usage:
-    prompt_tokens: int = 0
     completion_tokens: int = 0
-    counted_prompts: set[int] = field(default_factory=set)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt: prefix cache hits
 
     def add(self, prompt_index: int, output: RequestOutput) -> None:
-        if prompt_index not in self.counted_prompts:
-            self.counted_prompts.add(prompt_index)
-            self.prompt_tokens += len(output.prompt_token_ids)
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        cached = max(self.cached_tokens.get(prompt_index, 0), output.num_cached_tokens)
+        self.cached_tokens[prompt_index] = cached
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
+        prompt_tokens = sum(self.prompt_tokens.values())
         return {
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "total_tokens": prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
         }
 
 
@@ -98,7 +100,7 @@ class ChunkBuilder:
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = [choice]
         if self.req.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage.as_dict() if self.req.continuous_usage else None
         return chunk
 
     def usage_chunk(self) -> dict[str, Any]:
