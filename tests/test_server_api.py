@@ -414,6 +414,32 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client) -> Non
     assert second.usage.prompt_tokens_details.cached_tokens >= 64
 
 
+async def test_chat_echo_repeats_the_assistant_message_it_continues(server) -> None:
+    messages = [*CHAT, {"role": "assistant", "content": "Hello there"}]
+    body = {"messages": messages, "max_tokens": 3, "ignore_eos": True, "echo": True}
+    status, reply = await post_json(server, "/v1/chat/completions", body)
+    assert status == 200
+    assert reply["choices"][0]["message"]["content"].startswith("Hello there")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text.startswith("Hello there")
+    _, plain = await post_json(server, "/v1/chat/completions", {**body, "messages": CHAT})
+    assert not plain["choices"][0]["message"]["content"].startswith("Hello there")
+
+
+async def test_tokenize_returns_token_strings_when_asked(server) -> None:
+    body = {"prompt": "hello world", "return_token_strs": True}
+    status, reply = await post_json(server, "/tokenize", body)
+    assert status == 200 and len(reply["token_strs"]) == reply["count"] > 0
+    assert all(isinstance(t, str) and t for t in reply["token_strs"])
+    _, plain = await post_json(server, "/tokenize", {"prompt": "hello world"})
+    assert "token_strs" not in plain
+
+
 # -- the wire format -----------------------------------------------------------------------
 
 

@@ -331,8 +331,8 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "echo",
         "boolean",
-        "the prompt's text before the completion",
-        routes=(COMPLETIONS,),
+        "the prompt's text before the completion; in chat, the last message's content when it "
+        "is the assistant's",
         default=False,
     ),
     Field(
@@ -402,6 +402,13 @@ FIELDS: tuple[Field, ...] = (
         "boolean",
         "add the tokenizer's special tokens; default: true for a prompt, false for messages",
         routes=(TOKENIZE,),
+    ),
+    Field(
+        "return_token_strs",
+        "boolean",
+        "also return each token's string (token_strs)",
+        routes=(TOKENIZE,),
+        default=False,
     ),
     Field(
         "tokens",

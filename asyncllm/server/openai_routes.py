@@ -259,15 +259,20 @@ class OpenAIRoutes:
         return json_response({"object": "list", "data": [model]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        prompt, messages, add_special_tokens = protocol.parse_tokenize(await read_json(request))
-        self._require_tokenizer()
-        if messages is not None:
-            prompt = self.engine.input_processor.apply_chat_template(messages)
-        tokens = await self.engine.prompt_tokenizer.encode(prompt, add_special_tokens)
-        max_model_len = self.engine.config.model.max_model_len
-        return json_response(
-            {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
-        )
+        req = protocol.parse_tokenize(await read_json(request))
+        tokenizer = self._require_tokenizer()
+        prompt = req.prompt
+        if req.messages is not None:
+            prompt = self.engine.input_processor.apply_chat_template(req.messages)
+        tokens = await self.engine.prompt_tokenizer.encode(prompt, req.add_special_tokens)
+        answer = {
+            "count": len(tokens),
+            "max_model_len": self.engine.config.model.max_model_len,
+            "tokens": tokens,
+        }
+        if req.return_token_strs:
+            answer["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        return json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         tokens = protocol.parse_detokenize(await read_json(request))

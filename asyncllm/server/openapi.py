@@ -137,6 +137,7 @@ _SCHEMAS: dict[str, Schema] = {
             "count": {"type": "integer"},
             "max_model_len": {"type": "integer"},
             "tokens": TOKEN_IDS,
+            "token_strs": {"type": "array", "items": {"type": "string"}},
         },
     },
     "DetokenizeResponse": {"type": "object", "properties": {"prompt": {"type": "string"}}},

@@ -145,6 +145,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         kind="chat",
         messages=_parse_messages(values["messages"]),
         chat_template_kwargs=values.get("chat_template_kwargs", {}),
+        echo=values.get("echo", False),
         logprobs=params.logprobs,
         **_common(values, params),
     )
@@ -304,15 +305,29 @@ def _sampling_params(values: dict[str, Any], route: str, **overrides: Any) -> Sa
         raise from_validation_error(e) from e
 
 
-def parse_tokenize(body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None, bool]:
-    """/tokenize: (prompt, messages, add_special_tokens); exactly one of prompt and messages."""
+@dataclass
+class TokenizeRequest:
+    """A parsed /tokenize body: exactly one of prompt and messages."""
+
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     values = checked_fields(body, TOKENIZE)
     prompt, messages = values.get("prompt"), values.get("messages")
     if (prompt is None) == (messages is None):
         raise ProtocolError("give either prompt or messages.", param="prompt")
     if messages is not None:
         messages = _parse_messages(messages)
-    return prompt, messages, values.get("add_special_tokens", messages is None)
+    return TokenizeRequest(
+        prompt=prompt,
+        messages=messages,
+        add_special_tokens=values.get("add_special_tokens", messages is None),
+        return_token_strs=values.get("return_token_strs", False),
+    )
 
 
 def parse_detokenize(body: dict[str, Any]) -> list[int]:

@@ -70,7 +70,7 @@ class ChunkBuilder:
             chunks.append(self._chunk(index, prompt_index, {"role": "assistant", "content": ""}))
         echo = first and self.req.echo
         if echo:
-            text = self._prompt_text(output) + text
+            text = self._echo_text(output) + text
         logprobs = self._logprobs(index, prompt_index, output, completion, echo)
         if text or logprobs is not None:
             delta = {"content": text} if self.chat else text
@@ -126,11 +126,11 @@ class ChunkBuilder:
         self, index: int, prompt_index: int, output: RequestOutput, completion: CompletionOutput
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
+        text = (self._echo_text(output) if self.req.echo else "") + completion.text
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            prefix = self._prompt_text(output) if self.req.echo else ""
-            choice["text"] = prefix + completion.text
+            choice["text"] = text
         choice["logprobs"] = self._logprobs(index, prompt_index, output, completion, self.req.echo)
         choice["finish_reason"] = completion.finish_reason
         choice["stop_reason"] = completion.stop_reason
@@ -155,6 +155,14 @@ class ChunkBuilder:
             "model": self.model,
             "system_fingerprint": None,
         }
+
+    def _echo_text(self, output: RequestOutput) -> str:
+        """Completions echo the prompt; chat the last message, when it is the assistant's (whose
+        reply continues it), as vLLM does."""
+        if not self.chat:
+            return self._prompt_text(output)
+        last = (self.req.messages or [{}])[-1]
+        return last["content"] if last.get("role") == "assistant" else ""
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:

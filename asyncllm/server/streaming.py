@@ -18,7 +18,8 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from asyncllm.engine.async_llm import EngineDeadError
-from asyncllm.server.protocol import ProtocolError
+from asyncllm.errors import ValidationError
+from asyncllm.server.protocol import ProtocolError, from_validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ def error_for(error: BaseException) -> ProtocolError:
     """Any failure -> the OpenAI error it is reported as."""
     if isinstance(error, ProtocolError):
         return error
+    if isinstance(error, ValidationError):
+        return from_validation_error(error)
     if isinstance(error, EngineDeadError):
         return ProtocolError(str(error), status=503, type="service_unavailable")
     logger.exception("request failed", exc_info=error)
