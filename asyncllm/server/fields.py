@@ -338,7 +338,8 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "logprobs",
         "integer",
-        "the logprob of each token with this many alternatives (at most --max-logprobs)",
+        "the logprob of each token with this many alternatives (at most --max-logprobs); -1: "
+        "the whole vocabulary",
         routes=(COMPLETIONS,),
         param="logprobs",
         minimum=0,
@@ -347,7 +348,8 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "top_logprobs",
         "integer",
-        "alternatives per token, with logprobs: true (at most --max-logprobs)",
+        "alternatives per token, with logprobs: true (at most --max-logprobs); -1: the whole "
+        "vocabulary",
         routes=(CHAT,),
         param="logprobs",
         minimum=0,

@@ -106,7 +106,7 @@ class OpenAIRoutes:
                     yield chunk
 
     def _parse(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest:
-        req = _PARSERS[endpoint](body)
+        req = _PARSERS[endpoint](body, self.engine.input_processor.vocab_size)
         if req.model is not None and req.model not in self.state.model_names:
             raise ProtocolError(
                 f"The model `{req.model}` does not exist.",

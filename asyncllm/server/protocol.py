@@ -113,8 +113,8 @@ class GenerationRequest:
         return self.kind == "completion"  # the chat template already holds them
 
 
-def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    values = checked_fields(body, COMPLETIONS)
+def parse_completion(body: dict[str, Any], vocab_size: int | None = None) -> GenerationRequest:
+    values = _whole_vocabulary(checked_fields(body, COMPLETIONS), vocab_size)
     echo = values.get("echo", False)
     echo_only = echo and values.get("max_tokens") == 0
     params = _sampling_params(values, COMPLETIONS, **_echo_overrides(values, echo_only))
@@ -138,8 +138,8 @@ def _echo_overrides(values: dict[str, Any], echo_only: bool) -> dict[str, Any]:
     return overrides
 
 
-def parse_chat(body: dict[str, Any]) -> GenerationRequest:
-    values = checked_fields(body, CHAT)
+def parse_chat(body: dict[str, Any], vocab_size: int | None = None) -> GenerationRequest:
+    values = _whole_vocabulary(checked_fields(body, CHAT), vocab_size)
     params = _sampling_params(values, CHAT, logprobs=_chat_logprobs(values))
     return GenerationRequest(
         kind="chat",
@@ -149,6 +149,15 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         logprobs=params.logprobs,
         **_common(values, params),
     )
+
+
+def _whole_vocabulary(values: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
+    """vLLM's logprobs (top_logprobs) -1: every token of the vocabulary, which the engine then
+    bounds by its max_logprobs."""
+    for name in ("logprobs", "top_logprobs"):
+        if values.get(name) == -1 and vocab_size is not None:
+            values = {**values, name: vocab_size}
+    return values
 
 
 def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
