@@ -55,7 +55,7 @@ async def until_idle(session, server, timeout: float = 10.0) -> dict[str, float]
 # -- endpoints -----------------------------------------------------------------------------
 
 
-async def test_health_version_and_models(server) -> None:
+async def test_health_version_and_models(server, tiny_model_dir) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{server.url}/health") as response:
             assert response.status == 200
@@ -64,7 +64,10 @@ async def test_health_version_and_models(server) -> None:
         async with session.get(f"{server.url}/v1/models") as response:
             models = await response.json()
     assert models["object"] == "list"
-    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
+    card = models["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] == 512
+    assert card["root"] == str(tiny_model_dir)  # the --model argument as given
+    assert card["owned_by"] == "asyncllm" and 0 < card["created"] <= time.time()
 
 
 async def test_tokenize_then_detokenize_round_trips(server) -> None:

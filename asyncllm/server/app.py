@@ -29,7 +29,9 @@ def build_app(engine: AsyncLLM, args: ServerArgs | Any = None) -> web.Applicatio
         args = ServerArgs() if args is None else ServerArgs.from_namespace(args)
     state = ServerState(engine, args)
     prefix = "/" + args.root_path.strip("/") if args.root_path.strip("/") else ""
-    open_paths = {f"{prefix}/health", f"{prefix}/metrics", f"{prefix}/openapi.json"}
+    # under a root path the routes are served without it too, for proxies that strip it
+    prefixes = dict.fromkeys([prefix, ""])
+    open_paths = {f"{p}{path}" for p in prefixes for path in _OPEN_PATHS}
     app = web.Application(
         client_max_size=args.max_request_body_bytes,
         middlewares=[_error_middleware, _auth_middleware(args.api_key, open_paths)],
@@ -37,17 +39,22 @@ def build_app(engine: AsyncLLM, args: ServerArgs | Any = None) -> web.Applicatio
     app[STATE] = state
     app.on_response_prepare.append(_add_request_id_header)
     routes = OpenAIRoutes(state)
-    app.router.add_post(f"{prefix}/v1/completions", routes.completions)
-    app.router.add_post(f"{prefix}/v1/chat/completions", routes.chat_completions)
-    app.router.add_get(f"{prefix}/v1/stream", routes.websocket)
-    app.router.add_get(f"{prefix}/v1/models", routes.models)
-    app.router.add_post(f"{prefix}/tokenize", routes.tokenize)
-    app.router.add_post(f"{prefix}/detokenize", routes.detokenize)
-    app.router.add_get(f"{prefix}/health", _health)
-    app.router.add_get(f"{prefix}/metrics", _metrics)
-    app.router.add_get(f"{prefix}/version", _version)
-    app.router.add_get(f"{prefix}/openapi.json", _openapi_handler(prefix))
+    openapi = _openapi_handler(prefix)
+    for p in prefixes:
+        app.router.add_post(f"{p}/v1/completions", routes.completions)
+        app.router.add_post(f"{p}/v1/chat/completions", routes.chat_completions)
+        app.router.add_get(f"{p}/v1/stream", routes.websocket)
+        app.router.add_get(f"{p}/v1/models", routes.models)
+        app.router.add_post(f"{p}/tokenize", routes.tokenize)
+        app.router.add_post(f"{p}/detokenize", routes.detokenize)
+        app.router.add_get(f"{p}/health", _health)
+        app.router.add_get(f"{p}/metrics", _metrics)
+        app.router.add_get(f"{p}/version", _version)
+        app.router.add_get(f"{p}/openapi.json", openapi)
     return app
+
+
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key asked
 
 
 async def _health(request: web.Request) -> web.Response:

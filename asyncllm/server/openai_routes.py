@@ -246,15 +246,14 @@ class OpenAIRoutes:
     # -- the rest of the API -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        config = self.engine.config.model
         model = {
             "id": self.state.model_name,
             "object": "model",
             "created": self.state.started,
             "owned_by": "asyncllm",
-            "root": str(config.path),
+            "root": self.state.model_root,
             "parent": None,
-            "max_model_len": config.max_model_len,
+            "max_model_len": self.engine.config.model.max_model_len,
         }
         return json_response({"object": "list", "data": [model]})
 

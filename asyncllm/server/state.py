@@ -66,6 +66,7 @@ class ServerState:
         model = engine.config.args.model
         if model in (None, DEFAULT_MODEL):
             model = DEFAULT_MODEL_NAME
+        self.model_root = model  # the --model argument as given
         self.model_name = args.served_model_name or model
         self.model_names = {self.model_name, str(path), path.name}
         self.metrics = ServerMetrics(engine, self.model_name)
