@@ -612,6 +612,47 @@ async def test_metrics_use_vllm_names(server) -> None:
     assert values["asyncllm:time_to_first_token_seconds_count"] >= 1
 
 
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """The value of one labelled sample in Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_metrics_vllm_dashboards_read(server) -> None:
+    names = [
+        "request_prompt_tokens_count", "request_generation_tokens_sum",
+        "request_max_num_generation_tokens_sum", "request_params_n_sum",
+        "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+        "request_inference_time_seconds_count",
+    ]  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{server.url}/metrics") as r:
+            before = await r.text()
+        for n, max_tokens in ((1, 3), (2, 2)):
+            body = {"prompt": "m", "max_tokens": max_tokens, "ignore_eos": True, "n": n}
+            async with session.post(f"{server.url}/v1/completions", json=body) as r:
+                assert r.status == 200
+        dropped = {"prompt": "d", "stream": True, **LONG}
+        async with session.post(f"{server.url}/v1/completions", json=dropped) as r:
+            await r.content.readuntil(b"data: ")
+        await until_idle(session, server)
+        async with session.get(f"{server.url}/metrics") as r:
+            after = await r.text()
+
+    def grew(name: str, **labels: str) -> float:
+        full = f"asyncllm:{name}"
+        return sample_value(after, full, **labels) - sample_value(before, full, **labels)
+
+    assert grew("request_success_total", finished_reason="length") == 3
+    assert grew("request_success_total", finished_reason="abort") == 1
+    # the phases are timed where the engine reports them: not yet for parallel samples
+    assert [grew(n) for n in names] == [2, 3 + 4, 3 + 2, 1 + 2, 1, 1, 1]
+    assert grew("time_per_output_token_seconds_count") >= 2
+    assert sample_value(after, "asyncllm:cache_config_info", block_size="16") == 1
+
+
 # -- the real default model ----------------------------------------------------------------
 
 

@@ -169,9 +169,9 @@ class OpenAIRoutes:
     async def _engine_stream(
         self, prompt: PromptType, req: GenerationRequest, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        tracker = self.state.metrics.tracker()
+        prompt = await self._with_token_ids(prompt, req)
+        tracker = self.state.metrics.tracker(req.params)
         try:
-            prompt = await self._with_token_ids(prompt, req)
             outputs = self.engine.generate(
                 prompt, req.params, request_id, req.priority, req.add_special_tokens
             )
@@ -183,6 +183,9 @@ class OpenAIRoutes:
                     yield output
         except ValueError as e:  # the input processor's validation
             raise protocol.from_validation_error(e) from e
+        except BaseException:  # dropped, cut off or failed
+            tracker.abort()
+            raise
 
     async def _with_token_ids(self, prompt: PromptType, req: GenerationRequest) -> PromptType:
         """Tokenized here, not in the engine, to check an explicit max_tokens against the room the
