@@ -14,8 +14,16 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.outputs import RequestOutput
-from asyncllm.server import protocol
-from asyncllm.server.protocol import GenerationRequest, ProtocolError
+from asyncllm.server.protocol import (
+    GenerationRequest,
+    ProtocolError,
+    decode_json_body,
+    from_validation_error,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
 from asyncllm.server.responses import ChunkBuilder
 from asyncllm.server.state import RESPONSE_ID, Admission, ServerState
 from asyncllm.server.streaming import (
@@ -26,7 +34,7 @@ from asyncllm.server.streaming import (
     write_sse,
 )
 
-_PARSERS = {"completions": protocol.parse_completion, "chat": protocol.parse_chat}
+_PARSERS = {"completions": parse_completion, "chat": parse_chat}
 # WebSocket frames may name the endpoint by its path too
 _ENDPOINTS = {
     "chat": "chat",
@@ -55,7 +63,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
             status=413,
             code="request_too_large",
         ) from e
-    return protocol.decode_json_body(raw)
+    return decode_json_body(raw)
 
 
 def _is_json(content_type: str) -> bool:
@@ -182,7 +190,7 @@ class OpenAIRoutes:
                         raise ProtocolError(output.error, status=500, type="internal_server_error")
                     yield output
         except ValueError as e:  # the input processor's validation
-            raise protocol.from_validation_error(e) from e
+            raise from_validation_error(e) from e
         except BaseException:  # dropped, cut off or failed
             tracker.abort()
             raise
@@ -261,7 +269,7 @@ class OpenAIRoutes:
         return json_response({"object": "list", "data": [model]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = protocol.parse_tokenize(await read_json(request))
+        req = parse_tokenize(await read_json(request))
         tokenizer = self._require_tokenizer()
         prompt = req.prompt
         if req.messages is not None:
@@ -277,7 +285,7 @@ class OpenAIRoutes:
         return json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        tokens = protocol.parse_detokenize(await read_json(request))
+        tokens = parse_detokenize(await read_json(request))
         tokenizer = self._require_tokenizer()
         vocab_size = self.engine.input_processor.vocab_size
         if any(not 0 <= t < vocab_size for t in tokens):

@@ -168,14 +168,13 @@ def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
             "stream_options is only allowed with stream: true.", param="stream_options"
         )
     options = values.get("stream_options", {})
+    include_usage = options.get("include_usage", False)
     return {
         "model": values.get("model"),
         "params": params,
         "stream": stream,
-        "include_usage": stream and options.get("include_usage", False),
-        "continuous_usage": stream
-        and options.get("include_usage", False)
-        and options.get("continuous_usage_stats", False),
+        "include_usage": include_usage,
+        "continuous_usage": include_usage and options.get("continuous_usage_stats", False),
         "priority": values.get("priority", 0),
         "prompt_logprobs": values.get("prompt_logprobs"),
         "max_tokens_field": next(
