@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from asyncllm.errors import ValidationError
+
 _GREEDY_EPS = 1e-5
 _MAX_ABS_LOGIT_BIAS = 100.0
 
@@ -60,55 +62,76 @@ class SamplingParams:
         self._validate_counts()
         self._validate_distribution()
         self._validate_penalties()
-        if any(not s for s in self.stop):
-            raise ValueError("stop must not contain empty strings.")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty.")
-        if self.bad_words is not None and any(not w for w in self.bad_words):
-            raise ValueError("bad_words must not contain empty strings.")
+        self._validate_token_lists()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"{name} must be non-negative, got {value}.")
+                raise ValidationError(f"{name} must be non-negative, got {value}.", name)
 
     def _validate_counts(self) -> None:
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise ValidationError(f"n must be at least 1, got {self.n}.", "n")
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}.")
+            raise ValidationError(
+                f"best_of must be at least n ({self.n}), got {self.best_of}.", "best_of"
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise ValidationError(
+                f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens"
+            )
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+            raise ValidationError(
+                f"min_tokens must be non-negative, got {self.min_tokens}.", "min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            raise ValidationError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
+                "min_tokens",
             )
 
     def _validate_distribution(self) -> None:
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise ValidationError(
+                f"temperature must be non-negative, got {self.temperature}.", "temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}.")
+            raise ValidationError(
+                f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}.", "top_k"
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise ValidationError(f"min_p must be in [0, 1], got {self.min_p}.", "min_p")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValidationError(f"seed must be in [-2^63, 2^63 - 1], got {self.seed}.", "seed")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+                raise ValidationError(f"{name} must be in [-2, 2], got {value}.", name)
         if self.repetition_penalty <= 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}."
+            raise ValidationError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}.",
+                "repetition_penalty",
             )
         for token_id, bias in (self.logit_bias or {}).items():
             if not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:
-                raise ValueError(
-                    f"logit_bias for token {token_id} must be in [-100, 100], got {bias}."
+                raise ValidationError(
+                    f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.",
+                    "logit_bias",
                 )
+
+    def _validate_token_lists(self) -> None:
+        if any(not s for s in self.stop):
+            raise ValidationError("stop must not contain empty strings.", "stop")
+        if self.bad_words is not None and any(not w for w in self.bad_words):
+            raise ValidationError("bad_words must not contain empty strings.", "bad_words")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValidationError("allowed_token_ids must not be empty.", "allowed_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(t < 0 for t in getattr(self, name) or []):
+                raise ValidationError(f"{name} must hold non-negative token ids.", name)
 
     @property
     def greedy(self) -> bool:
@@ -133,4 +156,5 @@ def _int_keys(logit_bias: dict) -> dict[int, float]:
     try:
         return {int(k): float(v) for k, v in logit_bias.items()}
     except (TypeError, ValueError) as e:
-        raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
+        message = f"logit_bias must map token ids to numbers: {e}"
+        raise ValidationError(message, "logit_bias") from e

@@ -13,6 +13,7 @@ import pytest
 from test_server_support import ServerProcess, parse_metrics, parse_sse, tiny_server_args
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
+JSON = {"Content-Type": "application/json"}
 CHAT = [{"role": "user", "content": "Say hello."}]
 
 
@@ -54,7 +55,7 @@ async def until_idle(session, server, timeout: float = 10.0) -> dict[str, float]
 # -- endpoints -----------------------------------------------------------------------------
 
 
-async def test_health_version_and_models(server) -> None:
+async def test_health_version_and_models(server, tiny_model_dir) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{server.url}/health") as response:
             assert response.status == 200
@@ -63,7 +64,10 @@ async def test_health_version_and_models(server) -> None:
         async with session.get(f"{server.url}/v1/models") as response:
             models = await response.json()
     assert models["object"] == "list"
-    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
+    card = models["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] == 512
+    assert card["root"] == str(tiny_model_dir)  # the --model argument as given
+    assert card["owned_by"] == "asyncllm" and 0 < card["created"] <= time.time()
 
 
 async def test_tokenize_then_detokenize_round_trips(server) -> None:
@@ -145,7 +149,7 @@ def test_sdk_chat_with_n_and_logprobs(client) -> None:
     assert sorted(c.index for c in reply.choices) == [0, 1]
     for choice in reply.choices:
         tokens = choice.logprobs.content
-        assert len(tokens) == 3 and all(len(t.top_logprobs) == 2 for t in tokens)
+        assert len(tokens) == 3 and all(2 <= len(t.top_logprobs) <= 3 for t in tokens)  # + sampled
         assert "".join(t.token for t in tokens) == choice.message.content
     assert reply.usage.completion_tokens == 6
 
@@ -154,7 +158,7 @@ def test_sdk_completion_logprobs(client) -> None:
     reply = client.completions.create(model="tiny", prompt="hi", max_tokens=4, logprobs=3)
     logprobs = reply.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
-    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert all(3 <= len(top) <= 4 for top in logprobs.top_logprobs)  # the top 3 + the sampled
     assert logprobs.text_offset[0] == 0
 
 
@@ -167,6 +171,276 @@ def test_sdk_raises_typed_errors(client) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model="tiny", prompt=[5] * 600)
     assert too_long.value.code == "context_length_exceeded"
+
+
+def test_sdk_raises_bad_request_for_missing_fields_and_wrong_types(client) -> None:
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.completions.create(model="tiny", prompt=[])
+    assert empty.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as wrong_type:
+        client.completions.create(model="tiny", prompt="x", extra_body={"top_k": "many"})
+    assert (wrong_type.value.code, wrong_type.value.body["param"]) == ("invalid_type", "top_k")
+    with pytest.raises(openai.BadRequestError) as missing:
+        client.chat.completions.create(model="tiny", messages=None)
+    assert missing.value.code == "missing_required_parameter"
+
+
+# -- logprobs -------------------------------------------------------------------------------
+
+
+async def post_json(server: ServerProcess, path: str, body: dict) -> tuple[int, dict]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}{path}", json=body) as response,
+    ):
+        return response.status, await response.json()
+
+
+def test_logprobs_0_still_holds_the_sampled_token(client) -> None:
+    reply = client.completions.create(model="tiny", prompt="hi", max_tokens=5, logprobs=0)
+    logprobs = reply.choices[0].logprobs
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top == {token: logprob}
+
+
+def test_top_logprobs_hold_the_top_n_plus_the_sampled_token(client) -> None:
+    hot = {"temperature": 5.0, "seed": 3, "max_tokens": 24}
+    reply = client.completions.create(model="tiny", prompt="hi", logprobs=1, **hot)
+    logprobs = reply.choices[0].logprobs
+    outside_top_1 = 0
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+        outside_top_1 += len(top) == 2
+        assert max(top.values()) >= logprob
+    assert outside_top_1 > 0  # at this temperature most sampled tokens are not the top one
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, logprobs=True, top_logprobs=1, **hot
+    )
+    for entry in chat.choices[0].logprobs.content:
+        alternatives = {t.token: t.logprob for t in entry.top_logprobs}
+        assert alternatives[entry.token] == entry.logprob and 1 <= len(alternatives) <= 2
+
+
+def check_echoed_logprobs(text: str, logprobs: dict, num_tokens: int) -> None:
+    assert len(logprobs["tokens"]) == len(logprobs["text_offset"]) == num_tokens
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp is not None for lp in logprobs["token_logprobs"][1:])
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+        assert text[offset : offset + len(token)] == token
+
+
+async def test_echo_with_logprobs_covers_the_prompt_and_the_output(server) -> None:
+    body = {"prompt": "Hello world, this is", "max_tokens": 4, "ignore_eos": True, "logprobs": 2}
+    status, reply = await post_json(server, "/v1/completions", {**body, "echo": True})
+    assert status == 200
+    choice, usage = reply["choices"][0], reply["usage"]
+    assert choice["text"].startswith("Hello world, this is")
+    check_echoed_logprobs(choice["text"], choice["logprobs"], usage["total_tokens"])
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{server.url}/v1/completions", json={**body, "echo": True, "stream": True}
+        ) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    merged: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for chunk in chunks:
+        for name, values in (chunk["choices"][0]["logprobs"] or {}).items():
+            merged[name] += values
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    check_echoed_logprobs(text, merged, usage["total_tokens"])
+
+
+async def test_max_tokens_0_with_echo_scores_the_prompt(server) -> None:
+    body = {"prompt": "Hello world", "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, reply = await post_json(server, "/v1/completions", body)
+    assert status == 200
+    choice, usage = reply["choices"][0], reply["usage"]
+    assert choice["text"] == "Hello world" and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0
+    check_echoed_logprobs(choice["text"], choice["logprobs"], usage["prompt_tokens"])
+    status, error = await post_json(server, "/v1/completions", {**body, "echo": False})
+    assert status == 400 and error["error"]["param"] == "max_tokens"
+
+
+def check_prompt_logprobs(prompt_logprobs: list, prompt_token_ids: list[int], top: int) -> None:
+    assert len(prompt_logprobs) == len(prompt_token_ids) and prompt_logprobs[0] is None
+    for token_id, entry in zip(prompt_token_ids[1:], prompt_logprobs[1:]):
+        assert str(token_id) in entry and 1 <= len(entry) <= top + 1
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+
+
+async def test_prompt_logprobs_are_returned_in_each_choice(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{server.url}/tokenize", json={"prompt": "The sky is"}) as r:
+            prompt_ids = (await r.json())["tokens"]
+        async with session.post(f"{server.url}/tokenize", json={"messages": CHAT}) as r:
+            chat_ids = (await r.json())["tokens"]
+    body = {"prompt": "The sky is", "max_tokens": 2, "prompt_logprobs": 2, "n": 2}
+    status, reply = await post_json(server, "/v1/completions", body)
+    assert status == 200 and len(reply["choices"]) == 2
+    for choice in reply["choices"]:
+        check_prompt_logprobs(choice["prompt_logprobs"], prompt_ids, 2)
+    chat = {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1}
+    status, reply = await post_json(server, "/v1/chat/completions", chat)
+    check_prompt_logprobs(reply["choices"][0]["prompt_logprobs"], chat_ids, 1)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    for index in (0, 1):
+        first = next(c["choices"][0] for c in chunks if c["choices"][0]["index"] == index)
+        check_prompt_logprobs(first["prompt_logprobs"], prompt_ids, 2)
+
+
+# -- what OpenAI and vLLM answer -----------------------------------------------------------
+
+
+async def test_stream_options_without_stream_are_refused(server) -> None:
+    body = {"prompt": "x", "max_tokens": 1, "stream_options": {"include_usage": True}}
+    status, error = await post_json(server, "/v1/completions", body)
+    assert status == 400 and error["error"]["param"] == "stream_options"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status == 200 and parse_sse(await r.read())[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(
+    ("seed", "status"),
+    [(-(2**63), 200), (2**63 - 1, 200), (-(2**63) - 1, 400), (2**63, 400), (2**64, 400)],
+)
+async def test_seed_takes_exactly_the_int64_range(server, seed, status) -> None:
+    body = {"prompt": "x", "max_tokens": 1, "seed": seed}
+    answer_status, answer = await post_json(server, "/v1/completions", body)
+    assert answer_status == status
+    if status == 400:
+        assert answer["error"]["param"] == "seed" and "2^63" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+async def test_bodies_declared_as_anything_but_json_are_415(server, content_type) -> None:
+    body = orjson.dumps({"prompt": "x", "max_tokens": 1})
+    async with aiohttp.ClientSession() as session:
+        for path in ("/v1/completions", "/tokenize"):
+            headers = {"Content-Type": content_type}
+            async with session.post(f"{server.url}{path}", data=body, headers=headers) as r:
+                assert (
+                    r.status == 415
+                    and (await r.json())["error"]["code"] == "unsupported_media_type"
+                )
+        headers = {"Content-Type": "application/json; charset=utf-8"}
+        async with session.post(f"{server.url}/v1/completions", data=body, headers=headers) as r:
+            assert r.status == 200
+
+
+async def test_max_tokens_beyond_the_context_left_is_refused(server) -> None:
+    prompt = [5] * 500  # of 512
+    status, error = await post_json(server, "/v1/completions", {"prompt": prompt, "max_tokens": 13})
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded"
+    assert error["error"]["param"] == "max_tokens"
+    assert all(str(n) in error["error"]["message"] for n in (512, 513, 500, 13))
+    status, reply = await post_json(server, "/v1/completions", {"prompt": prompt, "max_tokens": 12})
+    assert status == 200
+    status, reply = await post_json(server, "/v1/completions", {"prompt": prompt, "min_tokens": 0})
+    assert status == 200 and reply["usage"]["completion_tokens"] <= 12  # 16 clamped to the room
+    chat = {"messages": [{"role": "user", "content": "hi " * 200}], "max_completion_tokens": 500}
+    status, error = await post_json(server, "/v1/chat/completions", chat)
+    assert status == 400 and error["error"]["param"] == "max_completion_tokens"
+
+
+async def test_openapi_is_valid_and_documents_a_plain_get_of_the_websocket(server) -> None:
+    from openapi_spec_validator import validate
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{server.url}/openapi.json") as response:
+            spec = await response.json()
+        async with session.get(f"{server.url}/v1/stream") as response:
+            status, error = response.status, await response.json()
+    validate(spec)
+    assert status == 400 and "error" in error
+    assert "400" in spec["paths"]["/v1/stream"]["get"]["responses"]
+    events = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert events["text/event-stream"]["x-event-data"]["$ref"].endswith("ChatCompletionChunk")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "", "content": "hi"},
+        {"role": ""},
+        {"role": "user"},
+        {"role": "user", "content": None},
+    ],
+)
+async def test_chat_messages_need_a_role_and_content(server, message) -> None:
+    status, error = await post_json(server, "/v1/chat/completions", {"messages": [message]})
+    assert status == 400 and error["error"]["param"].startswith("messages[0].")
+
+
+async def test_custom_roles_and_an_assistant_without_content_are_accepted(server) -> None:
+    messages = [{"role": "narrator", "content": "Once."}, *CHAT, {"role": "assistant"}]
+    status, _ = await post_json(
+        server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}
+    )
+    assert status == 200
+
+
+# -- vLLM's extensions ---------------------------------------------------------------------
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "hi", "max_tokens": 5, "ignore_eos": True, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/completions", json={**body, "stream_options": options}) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+
+
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client) -> None:
+    prompt = list(range(1000, 1100))
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+
+
+async def test_chat_echo_repeats_the_assistant_message_it_continues(server) -> None:
+    messages = [*CHAT, {"role": "assistant", "content": "Hello there"}]
+    body = {"messages": messages, "max_tokens": 3, "ignore_eos": True, "echo": True}
+    status, reply = await post_json(server, "/v1/chat/completions", body)
+    assert status == 200
+    assert reply["choices"][0]["message"]["content"].startswith("Hello there")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}) as r,
+    ):
+        chunks = [e for e in parse_sse(await r.read()) if e != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text.startswith("Hello there")
+    _, plain = await post_json(server, "/v1/chat/completions", {**body, "messages": CHAT})
+    assert not plain["choices"][0]["message"]["content"].startswith("Hello there")
+
+
+async def test_tokenize_returns_token_strings_when_asked(server) -> None:
+    body = {"prompt": "hello world", "return_token_strs": True}
+    status, reply = await post_json(server, "/tokenize", body)
+    assert status == 200 and len(reply["token_strs"]) == reply["count"] > 0
+    assert all(isinstance(t, str) and t for t in reply["token_strs"])
+    _, plain = await post_json(server, "/tokenize", {"prompt": "hello world"})
+    assert "token_strs" not in plain
 
 
 # -- the wire format -----------------------------------------------------------------------
@@ -208,10 +482,10 @@ async def test_first_chunk_arrives_long_before_the_last(server) -> None:
     ("body", "status", "param"),
     [
         (b"{not json", 400, None),
-        (b"[1, 2]", 422, None),
-        (b'{"max_tokens": 3}', 422, "prompt"),
-        (b'{"prompt": "x", "max_tokens": "3"}', 422, "max_tokens"),
-        (b'{"prompt": "x", "stop": 7}', 422, "stop"),
+        (b"[1, 2]", 400, None),
+        (b'{"max_tokens": 3}', 400, "prompt"),
+        (b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens"),
+        (b'{"prompt": "x", "stop": 7}', 400, "stop"),
         (b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
         (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
         (b'{"prompt": [99999999]}', 400, "prompt_token_ids"),
@@ -220,7 +494,7 @@ async def test_first_chunk_arrives_long_before_the_last(server) -> None:
 async def test_bad_requests_get_the_openai_error_shape(server, body, status, param) -> None:
     async with aiohttp.ClientSession() as session:
         url = f"{server.url}/v1/completions"
-        async with session.post(url, data=body) as response:
+        async with session.post(url, data=body, headers=JSON) as response:
             error = await response.json()
             assert response.status == status
     assert set(error["error"]) == {"message", "type", "param", "code"}
@@ -233,7 +507,7 @@ async def test_unknown_fields_are_ignored_and_the_server_keeps_serving(server) -
         async with session.post(f"{server.url}/v1/completions", json=body) as response:
             assert response.status == 200
         async with session.post(f"{server.url}/v1/chat/completions", json={"messages": 3}) as r:
-            assert r.status == 422
+            assert r.status == 400
         async with session.get(f"{server.url}/health") as response:
             assert response.status == 200
 
@@ -336,6 +610,47 @@ async def test_metrics_use_vllm_names(server) -> None:
     assert values["process_cpu_seconds_total"] > 0  # the server process's own, as vLLM's
     assert "python_gc_collections_total" in values and "python_info" in values
     assert values["asyncllm:time_to_first_token_seconds_count"] >= 1
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """The value of one labelled sample in Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_metrics_vllm_dashboards_read(server) -> None:
+    names = [
+        "request_prompt_tokens_count", "request_generation_tokens_sum",
+        "request_max_num_generation_tokens_sum", "request_params_n_sum",
+        "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+        "request_inference_time_seconds_count",
+    ]  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{server.url}/metrics") as r:
+            before = await r.text()
+        for n, max_tokens in ((1, 3), (2, 2)):
+            body = {"prompt": "m", "max_tokens": max_tokens, "ignore_eos": True, "n": n}
+            async with session.post(f"{server.url}/v1/completions", json=body) as r:
+                assert r.status == 200
+        dropped = {"prompt": "d", "stream": True, **LONG}
+        async with session.post(f"{server.url}/v1/completions", json=dropped) as r:
+            await r.content.readuntil(b"data: ")
+        await until_idle(session, server)
+        async with session.get(f"{server.url}/metrics") as r:
+            after = await r.text()
+
+    def grew(name: str, **labels: str) -> float:
+        full = f"asyncllm:{name}"
+        return sample_value(after, full, **labels) - sample_value(before, full, **labels)
+
+    assert grew("request_success_total", finished_reason="length") == 3
+    assert grew("request_success_total", finished_reason="abort") == 1
+    # the phases are timed where the engine reports them: not yet for parallel samples
+    assert [grew(n) for n in names] == [2, 3 + 4, 3 + 2, 1 + 2, 1, 1, 1]
+    assert grew("time_per_output_token_seconds_count") >= 2
+    assert sample_value(after, "asyncllm:cache_config_info", block_size="16") == 1
 
 
 # -- the real default model ----------------------------------------------------------------

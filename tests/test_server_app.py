@@ -155,3 +155,32 @@ async def test_each_app_has_its_own_metrics_registry(engine) -> None:
     first[STATE].metrics.generation_tokens.inc(5)
     assert b"asyncllm:generation_tokens_total" in second[STATE].metrics.render()
     assert b'generation_tokens_total{model_name="' in first[STATE].metrics.render()
+
+
+async def test_logprobs_minus_1_is_the_whole_vocabulary_within_max_logprobs(
+    engine, tiny_model_dir
+) -> None:
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}
+    every = {**body, "logprobs": True, "top_logprobs": -1}
+    async with (
+        serving(engine) as (url, _),
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/v1/chat/completions", json=every) as r,
+    ):
+        assert r.status == 400 and (await r.json())["error"]["param"] == "logprobs"
+    vocab_size = engine.input_processor.vocab_size
+    args = EngineArgs(
+        model=str(tiny_model_dir), max_model_len=64, num_kv_blocks=64, max_logprobs=vocab_size
+    )
+    wide = AsyncLLM.from_engine_args(args)
+    try:
+        async with (
+            serving(wide) as (url, _),
+            aiohttp.ClientSession() as s,
+            s.post(f"{url}/v1/chat/completions", json=every) as r,
+        ):
+            reply = await r.json()
+    finally:
+        await wide.shutdown()
+    entry = reply["choices"][0]["logprobs"]["content"][0]
+    assert len(entry["top_logprobs"]) == vocab_size

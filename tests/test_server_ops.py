@@ -61,13 +61,18 @@ def test_sdk_works_under_the_root_path_with_the_key(server) -> None:
         openai.OpenAI(base_url=url(server, "/v1"), api_key="nope", max_retries=0).models.list()
 
 
-async def test_routes_live_only_under_the_prefix(server) -> None:
-    async with (
-        aiohttp.ClientSession(headers=AUTH) as session,
-        session.get(f"{server.url}/v1/models") as response,
-    ):
-        assert response.status == 404
-        assert "error" in await response.json()
+async def test_routes_live_under_the_prefix_and_without_it_both_guarded(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        for path in (url(server, "/v1/models"), f"{server.url}/v1/models"):
+            async with session.get(path) as response:
+                assert response.status == 401, path
+            async with session.get(path, headers=AUTH) as response:
+                assert response.status == 200, path
+        async with session.get(f"{server.url}/health") as response:
+            assert response.status == 200
+    stripped = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    model = stripped.models.list().data[0].id
+    assert stripped.completions.create(model=model, prompt="x", max_tokens=1).choices
 
 
 async def test_body_over_the_limit_is_413(server) -> None:

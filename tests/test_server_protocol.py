@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import RequestOutputKind
 from asyncllm.server import protocol
 from asyncllm.server.protocol import ProtocolError, parse_chat, parse_completion
@@ -23,10 +24,10 @@ def test_completion_prompt_forms(prompt, expected) -> None:
 
 
 @pytest.mark.parametrize("prompt", [None, [], 5, [1, "a"], [[]], [True, 2], {"a": 1}])
-def test_bad_prompts_are_422(prompt) -> None:
+def test_bad_prompts_are_400(prompt) -> None:
     with pytest.raises(ProtocolError) as error:
         parse_completion({"prompt": prompt})
-    assert error.value.status == 422 and error.value.param == "prompt"
+    assert error.value.status == 400 and error.value.param == "prompt"
 
 
 def test_completion_defaults_follow_openai() -> None:
@@ -43,9 +44,10 @@ def test_streams_ask_the_engine_for_deltas() -> None:
     assert req.params.output_kind == RequestOutputKind.DELTA and req.include_usage
 
 
-def test_include_usage_needs_stream() -> None:
-    req = parse_completion({"prompt": "x", "stream_options": {"include_usage": True}})
-    assert not req.include_usage
+def test_stream_options_need_stream() -> None:
+    with pytest.raises(ProtocolError) as error:
+        parse_completion({"prompt": "x", "stream_options": {"include_usage": True}})
+    assert (error.value.status, error.value.param) == (400, "stream_options")
 
 
 def test_sampling_fields_map_to_vllm_names() -> None:
@@ -94,21 +96,22 @@ def test_chat_max_tokens_defaults_to_the_context() -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "param"),
+    ("body", "code", "param"),
     [
-        ({"prompt": "x", "max_tokens": True}, 422, "max_tokens"),
-        ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
-        ({"prompt": "x", "stop": [1]}, 422, "stop"),
-        ({"prompt": "x", "stream": "yes"}, 422, "stream"),
-        ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
-        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "max_tokens": True}, "invalid_type", "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "invalid_type", "temperature"),
+        ({"prompt": "x", "stop": [1]}, "invalid_type", "stop"),
+        ({"prompt": "x", "stream": "yes"}, "invalid_type", "stream"),
+        ({"max_tokens": 3}, "missing_required_parameter", "prompt"),
+        ({"prompt": "x", "temperature": -0.5}, None, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, None, "max_tokens"),
+        ({"prompt": "x", "n": 0}, None, "n"),
     ],
 )
-def test_wrong_types_are_422_and_bad_values_400(body, status, param) -> None:
+def test_wrong_types_and_bad_values_are_400_naming_the_field(body, code, param) -> None:
     with pytest.raises(ProtocolError) as error:
         parse_completion(body)
-    assert (error.value.status, error.value.param) == (status, param)
+    assert (error.value.status, error.value.code, error.value.param) == (400, code, param)
     assert set(error.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -125,7 +128,7 @@ def test_wrong_types_are_422_and_bad_values_400(body, status, param) -> None:
 def test_bad_messages_are_refused(body) -> None:
     with pytest.raises(ProtocolError) as error:
         parse_chat(body)
-    assert error.value.status == 422
+    assert error.value.status == 400
 
 
 def test_top_logprobs_without_logprobs_is_400() -> None:
@@ -139,16 +142,19 @@ def test_unknown_fields_are_ignored() -> None:
     assert req.prompts == ["x"]
 
 
-def test_fields_the_engine_lacks_are_dropped(monkeypatch) -> None:
-    monkeypatch.setattr(protocol, "_SAMPLING_FIELDS", protocol._SAMPLING_FIELDS - {"min_p"})
-    assert parse_completion({"prompt": "x", "min_p": 0.3}).params.min_p == 0.0
-
-
 def test_context_length_errors_carry_openais_code() -> None:
-    error = protocol.from_value_error(
-        ValueError("prompt is 600 tokens long; the maximum model length is 512, ...")
+    error = protocol.from_validation_error(
+        ValidationError(
+            "prompt is 600 tokens long; the maximum model length is 512, ...",
+            code="context_length_exceeded",
+        )
     )
     assert (error.status, error.code) == (400, "context_length_exceeded")
+
+
+def test_engine_validation_errors_carry_their_param() -> None:
+    error = protocol.from_validation_error(ValidationError("no room.", param="logprobs"))
+    assert (error.status, error.param, error.message) == (400, "logprobs", "no room.")
 
 
 def test_malformed_json_is_400() -> None:

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncllm.config import ModelConfig
 from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import SamplingParams
 
 # a prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}), as in vLLM
@@ -62,13 +63,15 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("messages: this model has no chat template.")
+            raise ValidationError("messages: this model has no chat template.", "messages")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **kwargs
             )
         except Exception as e:  # jinja errors from a malformed conversation
-            raise ValueError(f"messages: cannot apply the chat template: {e}") from e
+            raise ValidationError(
+                f"messages: cannot apply the chat template: {e}", "messages"
+            ) from e
 
     def prompt_text(self, prompt: PromptType) -> str | None:
         """The text to tokenize, or None for a prompt that brings its token ids."""
@@ -76,9 +79,13 @@ class InputProcessor:
             return None
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
-            raise ValueError("prompt must be a string or {'prompt_token_ids': [...]}.")
+            raise ValidationError(
+                "prompt must be a string or {'prompt_token_ids': [...]}.", "prompt"
+            )
         if self.tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids.")
+            raise ValidationError(
+                "prompt: this model has no tokenizer; pass prompt_token_ids.", "prompt"
+            )
         return text
 
     def _tokenize(
@@ -91,14 +98,17 @@ class InputProcessor:
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise ValueError("prompt must not be empty.")
+            raise ValidationError("prompt must not be empty.", "prompt")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}).")
+            raise ValidationError(
+                f"prompt_token_ids must be integers in [0, {self.vocab_size}).", "prompt_token_ids"
+            )
         limit = self.model_config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(
+            raise ValidationError(
                 f"prompt is {len(token_ids)} tokens long; the maximum model length is {limit}, "
-                "which must leave room for at least one generated token."
+                "which must leave room for at least one generated token.",
+                code="context_length_exceeded",
             )
         self._validate_sampling(params)
 
@@ -108,16 +118,19 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limit:
-                raise ValueError(f"{name} must be at most {limit} (max_logprobs), got {value}.")
+                raise ValidationError(
+                    f"{name} must be at most {limit} (max_logprobs), got {value}.", name
+                )
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             ids = getattr(params, name) or []
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(
-                    f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}."
+                raise ValidationError(
+                    f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.",
+                    name,
                 )
         if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words: this model has no tokenizer.")
+            raise ValidationError("bad_words: this model has no tokenizer.", "bad_words")
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it reads alone and after a space (vLLM does the same): BPE tokenizers

@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from inspect import signature
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from transformers import PreTrainedTokenizerBase
 
 from asyncllm.engine.input_processor import PromptType
-from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
-from asyncllm.server import protocol
-from asyncllm.server.protocol import GenerationRequest, ProtocolError
+from asyncllm.outputs import RequestOutput
+from asyncllm.server.protocol import (
+    GenerationRequest,
+    ProtocolError,
+    decode_json_body,
+    from_validation_error,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from asyncllm.server.responses import ChunkBuilder
+from asyncllm.server.state import RESPONSE_ID, Admission, ServerState
 from asyncllm.server.streaming import (
     ChunkStream,
     json_response,
@@ -26,12 +34,7 @@ from asyncllm.server.streaming import (
     write_sse,
 )
 
-if TYPE_CHECKING:
-    from asyncllm.server.app import Admission, ServerState
-
-REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, or a fresh one
-RESPONSE_ID = web.RequestKey("response_id", str)  # the completion's id, for the access log
-_PARSERS = {"completions": protocol.parse_completion, "chat": protocol.parse_chat}
+_PARSERS = {"completions": parse_completion, "chat": parse_chat}
 # WebSocket frames may name the endpoint by its path too
 _ENDPOINTS = {
     "chat": "chat",
@@ -40,11 +43,18 @@ _ENDPOINTS = {
     "completions": "completions",
     "/v1/completions": "completions",
 }
-_MISSING_LOGPROB = -9999.0  # vLLM's stand-in for a token outside the returned top-N
 MAX_CHOICES = 128  # prompts x samples in one request: each is an engine request
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; one declared as anything but JSON is refused (415)."""
+    declared = hdrs.CONTENT_TYPE in request.headers
+    if declared and not _is_json(request.content_type):
+        raise ProtocolError(
+            f"the body must be JSON (Content-Type: application/json), not {request.content_type}.",
+            status=415,
+            code="unsupported_media_type",
+        )
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
@@ -53,7 +63,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
             status=413,
             code="request_too_large",
         ) from e
-    return protocol.decode_json_body(raw)
+    return decode_json_body(raw)
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
 
 
 class OpenAIRoutes:
@@ -100,7 +114,7 @@ class OpenAIRoutes:
                     yield chunk
 
     def _parse(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest:
-        req = _PARSERS[endpoint](body)
+        req = _PARSERS[endpoint](body, self.engine.input_processor.vocab_size)
         if req.model is not None and req.model not in self.state.model_names:
             raise ProtocolError(
                 f"The model `{req.model}` does not exist.",
@@ -163,11 +177,12 @@ class OpenAIRoutes:
     async def _engine_stream(
         self, prompt: PromptType, req: GenerationRequest, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        tracker = self.state.metrics.tracker()
-        outputs = self.engine.generate(
-            prompt, req.params, request_id, req.priority, req.add_special_tokens
-        )
+        prompt = await self._with_token_ids(prompt, req)
+        tracker = self.state.metrics.tracker(req.params)
         try:
+            outputs = self.engine.generate(
+                prompt, req.params, request_id, req.priority, req.add_special_tokens
+            )
             async with aclosing(outputs):
                 async for output in outputs:
                     tracker.observe(output)
@@ -175,7 +190,36 @@ class OpenAIRoutes:
                         raise ProtocolError(output.error, status=500, type="internal_server_error")
                     yield output
         except ValueError as e:  # the input processor's validation
-            raise protocol.from_value_error(e) from e
+            raise from_validation_error(e) from e
+        except BaseException:  # dropped, cut off or failed
+            tracker.abort()
+            raise
+
+    async def _with_token_ids(self, prompt: PromptType, req: GenerationRequest) -> PromptType:
+        """Tokenized here, not in the engine, to check an explicit max_tokens against the room the
+        prompt leaves."""
+        text = self.engine.input_processor.prompt_text(prompt)
+        if text is not None:
+            token_ids = await self.engine.prompt_tokenizer.encode(text, req.add_special_tokens)
+            prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        self._check_room(len(prompt["prompt_token_ids"]), req)
+        return prompt
+
+    def _check_room(self, prompt_tokens: int, req: GenerationRequest) -> None:
+        """A max_tokens the request sets must fit beside the prompt; an omitted one is clamped to
+        the room left."""
+        if req.max_tokens_field is None:
+            return
+        limit = self.engine.config.model.max_model_len
+        wanted = 0 if req.echo_only else req.params.max_tokens
+        if prompt_tokens + wanted > limit:
+            raise ProtocolError(
+                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"{prompt_tokens + wanted} ({prompt_tokens} in the prompt, {wanted} for the "
+                f"completion): shorten the prompt or lower {req.max_tokens_field}.",
+                param=req.max_tokens_field,
+                code="context_length_exceeded",
+            )
 
     def _render_chat(self, req: GenerationRequest) -> str:
         try:
@@ -213,31 +257,35 @@ class OpenAIRoutes:
     # -- the rest of the API -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        config = self.engine.config.model
         model = {
             "id": self.state.model_name,
             "object": "model",
             "created": self.state.started,
             "owned_by": "asyncllm",
-            "root": str(config.path),
+            "root": self.state.model_root,
             "parent": None,
-            "max_model_len": config.max_model_len,
+            "max_model_len": self.engine.config.model.max_model_len,
         }
         return json_response({"object": "list", "data": [model]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        prompt, messages, add_special_tokens = protocol.parse_tokenize(await read_json(request))
-        self._require_tokenizer()
-        if messages is not None:
-            prompt = self.engine.input_processor.apply_chat_template(messages)
-        tokens = await self.engine.prompt_tokenizer.encode(prompt, add_special_tokens)
-        max_model_len = self.engine.config.model.max_model_len
-        return json_response(
-            {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
-        )
+        req = parse_tokenize(await read_json(request))
+        tokenizer = self._require_tokenizer()
+        prompt = req.prompt
+        if req.messages is not None:
+            prompt = self.engine.input_processor.apply_chat_template(req.messages)
+        tokens = await self.engine.prompt_tokenizer.encode(prompt, req.add_special_tokens)
+        answer = {
+            "count": len(tokens),
+            "max_model_len": self.engine.config.model.max_model_len,
+            "tokens": tokens,
+        }
+        if req.return_token_strs:
+            answer["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        return json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        tokens = protocol.parse_detokenize(await read_json(request))
+        tokens = parse_detokenize(await read_json(request))
         tokenizer = self._require_tokenizer()
         vocab_size = self.engine.input_processor.vocab_size
         if any(not 0 <= t < vocab_size for t in tokens):
@@ -263,197 +311,3 @@ _TEMPLATE_CALL_OPTIONS = {
 def _response_id(req: GenerationRequest) -> str:
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# -- response objects -----------------------------------------------------------------------
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    counted_prompts: set[int] = field(default_factory=set)
-
-    def add(self, prompt_index: int, output: RequestOutput) -> None:
-        if prompt_index not in self.counted_prompts:
-            self.counted_prompts.add(prompt_index)
-            self.prompt_tokens += len(output.prompt_token_ids)
-        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-
-class ChunkBuilder:
-    """RequestOutputs -> OpenAI chunk objects (streaming) or the final response object."""
-
-    def __init__(self, req: GenerationRequest, response_id: str, model: str, tokenizer) -> None:
-        self.req = req
-        self.id = response_id
-        self.model = model
-        self.tokenizer = tokenizer
-        self.created = int(time.time())
-        self.usage = Usage()
-        self.started: set[int] = set()
-        self.text_offsets: dict[int, int] = {}
-        self.chat = req.kind == "chat"
-
-    def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
-        self.usage.add(prompt_index, output)
-        chunks = []
-        for completion in output.outputs:
-            index = prompt_index * self.req.params.n + completion.index
-            chunks += self._choice_chunks(index, output, completion)
-        return chunks
-
-    def _choice_chunks(
-        self, index: int, output: RequestOutput, completion: CompletionOutput
-    ) -> list[dict[str, Any]]:
-        first = index not in self.started
-        self.started.add(index)
-        chunks = []
-        text = completion.text
-        if self.chat and first:
-            chunks.append(self._chunk(index, {"role": "assistant", "content": ""}))
-        if first and self.req.echo:
-            text = self._prompt_text(output) + text
-        logprobs = self._logprobs(index, completion)
-        if text or logprobs is not None:
-            chunks.append(self._chunk(index, {"content": text} if self.chat else text, logprobs))
-        if completion.finish_reason is not None:
-            empty = {} if self.chat else ""
-            chunks.append(self._chunk(index, empty, None, completion))
-        return chunks
-
-    def _chunk(
-        self,
-        index: int,
-        delta: dict[str, Any] | str,
-        logprobs: dict[str, Any] | None = None,
-        finished: CompletionOutput | None = None,
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index}
-        choice["delta" if self.chat else "text"] = delta
-        choice["logprobs"] = logprobs
-        choice["finish_reason"] = finished.finish_reason if finished else None
-        if finished is not None:
-            choice["stop_reason"] = finished.stop_reason
-        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
-        chunk["choices"] = [choice]
-        if self.req.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def usage_chunk(self) -> dict[str, Any]:
-        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
-        chunk["choices"] = []
-        chunk["usage"] = self.usage.as_dict()
-        return chunk
-
-    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = []
-        for prompt_index, output in enumerate(outputs):
-            self.usage.add(prompt_index, output)
-            for completion in output.outputs:
-                index = prompt_index * self.req.params.n + completion.index
-                choices.append(self._final_choice(index, output, completion))
-        response = self._envelope("chat.completion" if self.chat else "text_completion")
-        response["choices"] = sorted(choices, key=lambda c: c["index"])
-        response["usage"] = self.usage.as_dict()
-        return response
-
-    def _final_choice(
-        self, index: int, output: RequestOutput, completion: CompletionOutput
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
-        else:
-            prefix = self._prompt_text(output) if self.req.echo else ""
-            choice["text"] = prefix + completion.text
-        choice["logprobs"] = self._logprobs(index, completion)
-        choice["finish_reason"] = completion.finish_reason
-        choice["stop_reason"] = completion.stop_reason
-        return choice
-
-    def _envelope(self, object_name: str) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": object_name,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-        }
-
-    def _prompt_text(self, output: RequestOutput) -> str:
-        if output.prompt is not None:
-            return output.prompt
-        return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
-
-    # -- logprobs ----------------------------------------------------------------------------
-
-    def _logprobs(self, index: int, completion: CompletionOutput) -> dict[str, Any] | None:
-        if self.req.logprobs is None or completion.logprobs is None:
-            return None
-        # a delta holds the logprobs of its own tokens; a cumulative list ends with them
-        entries = completion.logprobs[len(completion.logprobs) - len(completion.token_ids) :]
-        pairs = list(zip(completion.token_ids, entries))
-        if self.chat:
-            return {"content": [self._chat_logprob(t, e) for t, e in pairs]}
-        return self._completion_logprobs(index, pairs)
-
-    def _chat_logprob(self, token_id: int, entry: dict[int, Logprob]) -> dict[str, Any]:
-        token = self._token(token_id, entry)
-        top = [
-            {
-                "token": self._token(t, entry),
-                "logprob": lp.logprob,
-                "bytes": list(self._token(t, entry).encode()),
-            }
-            for t, lp in self._top(entry)
-        ]
-        return {
-            "token": token,
-            "logprob": _logprob_of(token_id, entry),
-            "bytes": list(token.encode()),
-            "top_logprobs": top,
-        }
-
-    def _completion_logprobs(
-        self, index: int, pairs: list[tuple[int, dict[int, Logprob]]]
-    ) -> dict[str, Any]:
-        tokens, offsets = [], []
-        offset = self.text_offsets.get(index, 0)
-        for token_id, entry in pairs:
-            token = self._token(token_id, entry)
-            tokens.append(token)
-            offsets.append(offset)
-            offset += len(token)
-        self.text_offsets[index] = offset
-        return {
-            "tokens": tokens,
-            "token_logprobs": [_logprob_of(t, e) for t, e in pairs],
-            "top_logprobs": [
-                {self._token(t, e): lp.logprob for t, lp in self._top(e)} for _, e in pairs
-            ],
-            "text_offset": offsets,
-        }
-
-    def _top(self, entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
-        ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)
-        return ranked[: self.req.logprobs]
-
-    def _token(self, token_id: int, entry: dict[int, Logprob]) -> str:
-        logprob = entry.get(token_id)
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
-
-
-def _logprob_of(token_id: int, entry: dict[int, Logprob]) -> float:
-    logprob = entry.get(token_id)
-    return logprob.logprob if logprob is not None else _MISSING_LOGPROB

@@ -1,34 +1,31 @@
 """The OpenAPI 3 description of the server, served at /openapi.json for API fuzzers and
-client generators. Written by hand to match server/protocol.py; tests check it covers every
-route and that bodies built from its schemas are accepted."""
+client generators. Request bodies come from the table of fields the parser checks against
+(server/fields.py); tests check it covers every route and that bodies built from its schemas
+are accepted."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-Schema = dict[str, Any]
+from asyncllm.server.fields import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    MESSAGE_FIELDS,
+    TOKEN_IDS,
+    TOKENIZE,
+    Field,
+    Schema,
+    fields_for,
+)
 
 
 def _ref(name: str) -> Schema:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _integer(minimum: int | None = None, maximum: int | None = None) -> Schema:
-    schema: Schema = {"type": "integer"}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if maximum is not None:
-        schema["maximum"] = maximum
-    return schema
-
-
-def _number(minimum: float | None = None, maximum: float | None = None) -> Schema:
-    schema: Schema = {"type": "number"}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if maximum is not None:
-        schema["maximum"] = maximum
-    return schema
+_COUNT: Schema = {"type": "integer", "minimum": 0}
 
 
 def _nullable(schema: Schema) -> Schema:
@@ -44,6 +41,13 @@ def _response(object_name: str, content: dict[str, Schema]) -> Schema:
             **content,
             "logprobs": _nullable({"type": "object"}),
             "finish_reason": _nullable({"type": "string"}),
+            "stop_reason": _nullable({"oneOf": [{"type": "string"}, {"type": "integer"}]}),
+            "prompt_logprobs": {
+                "type": "array",
+                "items": _nullable({"type": "object"}),
+                "description": "with prompt_logprobs: per prompt token (null first), token id -> "
+                "{logprob, rank, decoded_token}",
+            },
         },
     }
     return {
@@ -55,57 +59,31 @@ def _response(object_name: str, content: dict[str, Schema]) -> Schema:
             "created": {"type": "integer"},
             "model": {"type": "string"},
             "choices": {"type": "array", "items": choice},
-            "usage": _ref("Usage"),
+            "usage": {"allOf": [_ref("Usage")], "nullable": True},
         },
     }
 
 
-_TOKEN_IDS = {"type": "array", "items": _integer(0)}
-_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+def _request(route: str) -> Schema:
+    """A route's request body, from the table of fields."""
+    return _object(fields_for(route))
 
-# the fields both generation routes share, with protocol.py's types and SamplingParams' ranges
-_SAMPLING_PROPERTIES: dict[str, Schema] = {
-    "model": {"type": "string"},
-    "stream": {"type": "boolean", "default": False},
-    "stream_options": {
+
+def _object(fields: Sequence[Field]) -> Schema:
+    schema: Schema = {
         "type": "object",
-        "properties": {"include_usage": {"type": "boolean"}},
-    },
-    "n": _integer(1, 128),
-    "best_of": _integer(1, 128),
-    "temperature": _number(0),
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": _integer(-1),
-    "min_p": _number(0, 1),
-    "seed": _integer(),
-    "presence_penalty": _number(-2, 2),
-    "frequency_penalty": _number(-2, 2),
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-    "logit_bias": {"type": "object", "additionalProperties": _number(-100, 100)},
-    "min_tokens": _integer(0),
-    "ignore_eos": {"type": "boolean"},
-    "stop": _STOP,
-    "stop_token_ids": _TOKEN_IDS,
-    "include_stop_str_in_output": {"type": "boolean"},
-    "skip_special_tokens": {"type": "boolean"},
-    "prompt_logprobs": _integer(0),
-    "allowed_token_ids": _TOKEN_IDS,
-    "bad_words": {"type": "array", "items": {"type": "string", "minLength": 1}},
-    "priority": _integer(),
-    "timeout": {
-        "type": "number",
-        "exclusiveMinimum": 0,
-        "description": "seconds the whole request may take, queue included; then 408",
-    },
-}
+        "properties": {f.name: f.json_schema() for f in fields},
+        "additionalProperties": True,
+    }
+    required = [f.name for f in fields if f.required]
+    return {**schema, "required": required} if required else schema
 
-_CONTENT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
-}
 
 _SCHEMAS: dict[str, Schema] = {
+    "CompletionRequest": _request(COMPLETIONS),
+    "ChatCompletionRequest": _request(CHAT),
+    "TokenizeRequest": {**_request(TOKENIZE), "description": "exactly one of prompt and messages"},
+    "DetokenizeRequest": _request(DETOKENIZE),
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -122,59 +100,30 @@ _SCHEMAS: dict[str, Schema] = {
             }
         },
     },
-    "CompletionRequest": {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": {
-            "prompt": {
-                "oneOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                    {**_TOKEN_IDS, "minItems": 1},
-                    {"type": "array", "items": {**_TOKEN_IDS, "minItems": 1}, "minItems": 1},
-                ]
-            },
-            "max_tokens": _integer(1),
-            "echo": {"type": "boolean"},
-            "logprobs": _integer(0, 20),
-            **_SAMPLING_PROPERTIES,
-        },
-        "additionalProperties": True,
-    },
-    "ChatMessage": {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {"type": "string"},
-            "content": _nullable(
-                {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}]}
-            ),
-        },
-    },
-    "ChatCompletionRequest": {
-        "type": "object",
-        "required": ["messages"],
-        "properties": {
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "max_tokens": _integer(1),
-            "max_completion_tokens": _integer(1),
-            "logprobs": {"type": "boolean"},
-            "top_logprobs": _integer(0, 20),
-            "chat_template_kwargs": {"type": "object"},
-            **_SAMPLING_PROPERTIES,
-        },
-        "additionalProperties": True,
-    },
+    "ChatMessage": _object(MESSAGE_FIELDS),
     "Usage": {
         "type": "object",
         "properties": {
-            "prompt_tokens": _integer(0),
-            "completion_tokens": _integer(0),
-            "total_tokens": _integer(0),
+            "prompt_tokens": _COUNT,
+            "completion_tokens": _COUNT,
+            "total_tokens": _COUNT,
+            "prompt_tokens_details": {
+                "type": "object",
+                "properties": {"cached_tokens": {**_COUNT, "description": "prefix cache hits"}},
+            },
         },
     },
     "Completion": _response("text_completion", {"text": {"type": "string"}}),
     "ChatCompletion": _response("chat.completion", {"message": _ref("ChatMessage")}),
+    "ChatCompletionChunk": _response(
+        "chat.completion.chunk",
+        {
+            "delta": {
+                "type": "object",
+                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+            }
+        },
+    ),
     "ModelList": {
         "type": "object",
         "properties": {
@@ -182,38 +131,26 @@ _SCHEMAS: dict[str, Schema] = {
             "data": {"type": "array", "items": {"type": "object"}},
         },
     },
-    "TokenizeRequest": {
-        "type": "object",
-        "properties": {
-            "prompt": {"type": "string"},
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "add_special_tokens": {"type": "boolean"},
-        },
-        "description": "exactly one of prompt and messages",
-    },
     "TokenizeResponse": {
         "type": "object",
         "properties": {
             "count": {"type": "integer"},
             "max_model_len": {"type": "integer"},
-            "tokens": _TOKEN_IDS,
+            "tokens": TOKEN_IDS,
+            "token_strs": {"type": "array", "items": {"type": "string"}},
         },
-    },
-    "DetokenizeRequest": {
-        "type": "object",
-        "required": ["tokens"],
-        "properties": {"tokens": _TOKEN_IDS},
     },
     "DetokenizeResponse": {"type": "object", "properties": {"prompt": {"type": "string"}}},
 }
 
 _ERRORS = {
-    "400": "malformed JSON or an out-of-range value",
+    "400": "malformed JSON, a missing field (code missing_required_parameter), a wrong type "
+    "(code invalid_type) or an out-of-range value; `param` names the field",
     "401": "a missing or wrong API key (with --api-key)",
     "404": "an unknown model",
     "408": "the request's own timeout ran out",
     "413": "a body over --max-request-body-bytes",
-    "422": "a missing field or a wrong type",
+    "415": "a body declared (Content-Type) as anything but JSON",
     "429": "over --max-concurrent-requests (Retry-After)",
     "503": "the queue is full, the wait too long, the server draining or the engine dead "
     "(Retry-After unless the engine is dead)",
@@ -229,20 +166,25 @@ def _json_body(schema_name: str) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": _ref(schema_name)}}}
 
 
-def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
-    ok = {
-        "description": "the response object, or with stream: true an SSE stream of chunks "
-        "ending in `data: [DONE]`",
-        "content": {
-            "application/json": {"schema": _ref(response)},
-            "text/event-stream": {"schema": {"type": "string"}},
+def _generation(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    events = {
+        "schema": {
+            "type": "string",
+            "description": f"`data: <{chunk} as JSON>` events, one per chunk (`data: <Error as "
+            "JSON>` for a failure once the stream has started); `: keep-alive` comments while "
+            "the request waits; `data: [DONE]` last",
         },
+        "x-event-data": _ref(chunk),
+    }
+    ok = {
+        "description": "the response object, or with stream: true an SSE stream of chunks",
+        "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": events},
     }
     return {
         "post": {
             "summary": summary,
             "requestBody": _json_body(request),
-            "responses": {"200": ok, **_error_responses("400 401 404 408 413 422 429 503")},
+            "responses": {"200": ok, **_error_responses("400 401 404 408 413 415 429 503")},
         }
     }
 
@@ -261,7 +203,7 @@ def _post(summary: str, request: str, response: str) -> dict[str, Any]:
         "post": {
             "summary": summary,
             "requestBody": _json_body(request),
-            "responses": {"200": ok, **_error_responses("400 401 413 422")},
+            "responses": {"200": ok, **_error_responses("400 401 413 415")},
         }
     }
 
@@ -272,13 +214,17 @@ def openapi_spec(prefix: str = "", version: str = "unknown") -> dict[str, Any]:
         "WebSocket upgrade: JSON frames {type: request|cancel, id, endpoint, body}; the server "
         "answers chunk, error and done frames",
         None,
-        "401",
+        "400 401",
     )
-    websocket["get"]["responses"]["101"] = {"description": "switching to the WebSocket"}
+    responses = websocket["get"]["responses"]
+    responses["101"] = {"description": "switching to the WebSocket"}
+    responses["400"] = {**responses["400"], "description": "a GET without a WebSocket upgrade"}
     paths = {
-        "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
+        "/v1/completions": _generation(
+            "Text completion", "CompletionRequest", "Completion", "Completion"
+        ),
         "/v1/chat/completions": _generation(
-            "Chat completion", "ChatCompletionRequest", "ChatCompletion"
+            "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
         ),
         "/v1/stream": websocket,
         "/v1/models": _get("The served model", _ref("ModelList"), "401"),

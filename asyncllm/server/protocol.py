@@ -1,25 +1,31 @@
 """OpenAI request bodies -> (prompts, SamplingParams), and the OpenAI error shape.
 
-Plain functions over the decoded JSON: every field is checked for its type here, every value
-range by SamplingParams itself, so a request that fails either never reaches the engine.
+Plain functions over the decoded JSON: every field is checked for its type against the table
+in server/fields.py, every sampling value's range by SamplingParams itself, so a request that
+fails either never reaches the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from asyncllm.engine.input_processor import PromptType
+from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
-
-logger = logging.getLogger(__name__)
-
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_MISSING = object()
+from asyncllm.server.fields import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    MESSAGE_FIELDS,
+    TOKENIZE,
+    Field,
+    fields_for,
+    is_json_type,
+)
 
 
 class ProtocolError(Exception):
@@ -43,22 +49,16 @@ class ProtocolError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": {**error, "code": self.code}}
 
 
-def error_body(
-    message: str, type: str, param: str | None = None, code: str | int | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def from_value_error(error: ValueError) -> ProtocolError:
-    """Engine-side validation (prompt length, token ids, sampling ranges) -> a 400."""
-    message = str(error)
-    if "maximum model length" in message:
-        return ProtocolError(message, code="context_length_exceeded")
-    param = message.split(" ", 1)[0].rstrip(":") if message else None
-    return ProtocolError(message, param=param if param and param.isidentifier() else None)
+def from_validation_error(error: ValueError) -> ProtocolError:
+    """The engine's refusal (prompt length, token ids, sampling ranges) -> a 400; a
+    ValidationError names its field and code."""
+    if isinstance(error, ValidationError):
+        return ProtocolError(str(error), param=error.param, code=error.code)
+    return ProtocolError(str(error))
 
 
 def overloaded(message: str, status: int = 503, retry_after_s: int = 1) -> ProtocolError:
@@ -79,7 +79,7 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object.", status=422)
+        raise ProtocolError("the request body must be a JSON object.")
     return body
 
 
@@ -95,9 +95,13 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # the usage so far in every chunk
     echo: bool = False
     priority: int = 0
     logprobs: int | None = None  # top-N alternatives per token; None: no logprobs
+    prompt_logprobs: int | None = None  # as asked; echo with logprobs asks the engine too
+    echo_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated
+    max_tokens_field: str | None = None  # the field that set max_tokens; None: left out
     timeout: float | None = None  # seconds the whole request may take, queue included
 
     @property
@@ -109,150 +113,165 @@ class GenerationRequest:
         return self.kind == "completion"  # the chat template already holds them
 
 
-def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    prompts = _parse_prompt(body.get("prompt", _MISSING))
-    logprobs = _get(body, "logprobs", int)
-    stream, include_usage = _parse_stream(body)
-    params = _sampling_params(
-        body,
-        stream,
-        max_tokens=_get(body, "max_tokens", int, 16),
-        logprobs=logprobs,
-    )
+def parse_completion(body: dict[str, Any], vocab_size: int | None = None) -> GenerationRequest:
+    values = _whole_vocabulary(checked_fields(body, COMPLETIONS), vocab_size)
+    echo = values.get("echo", False)
+    echo_only = echo and values.get("max_tokens") == 0
+    params = _sampling_params(values, COMPLETIONS, **_echo_overrides(values, echo_only))
     return GenerationRequest(
         kind="completion",
-        model=_get(body, "model", str),
-        params=params,
-        prompts=prompts,
-        stream=stream,
-        include_usage=include_usage,
-        echo=_get(body, "echo", bool, False),
-        priority=_get(body, "priority", int, 0),
-        logprobs=logprobs,
-        timeout=_parse_timeout(body),
+        prompts=_parse_prompt(values["prompt"]),
+        echo=echo,
+        echo_only=echo_only,
+        logprobs=params.logprobs,
+        **_common(values, params),
     )
 
 
-def parse_chat(body: dict[str, Any]) -> GenerationRequest:
-    messages = _parse_messages(body.get("messages", _MISSING))
-    logprobs = _chat_logprobs(body)
-    max_tokens = _get(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int)
-    stream, include_usage = _parse_stream(body)
+def _echo_overrides(values: dict[str, Any], echo_only: bool) -> dict[str, Any]:
+    """Echo with logprobs covers the prompt's tokens too: the engine scores them. max_tokens 0
+    with echo (vLLM's way to score a prompt) runs one token, which the answer leaves out."""
+    overrides: dict[str, Any] = {"max_tokens": 1} if echo_only else {}
+    logprobs = values.get("logprobs")
+    if values.get("echo") and logprobs is not None:
+        overrides["prompt_logprobs"] = max(values.get("prompt_logprobs") or 0, logprobs)
+    return overrides
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int | None = None) -> GenerationRequest:
+    values = _whole_vocabulary(checked_fields(body, CHAT), vocab_size)
+    params = _sampling_params(values, CHAT, logprobs=_chat_logprobs(values))
     return GenerationRequest(
         kind="chat",
-        model=_get(body, "model", str),
-        params=_sampling_params(body, stream, max_tokens=max_tokens, logprobs=logprobs),
-        messages=messages,
-        chat_template_kwargs=_get(body, "chat_template_kwargs", dict, {}),
-        stream=stream,
-        include_usage=include_usage,
-        priority=_get(body, "priority", int, 0),
-        logprobs=logprobs,
-        timeout=_parse_timeout(body),
+        messages=_parse_messages(values["messages"]),
+        chat_template_kwargs=values.get("chat_template_kwargs", {}),
+        echo=values.get("echo", False),
+        logprobs=params.logprobs,
+        **_common(values, params),
     )
 
 
-def _parse_timeout(body: dict[str, Any]) -> float | None:
-    timeout = _get(body, "timeout", float)
-    if timeout is not None and not 0 < timeout < 10**9:
-        raise ProtocolError("timeout must be a positive number of seconds.", param="timeout")
-    return timeout
+def _whole_vocabulary(values: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
+    """vLLM's logprobs (top_logprobs) -1: every token of the vocabulary, which the engine then
+    bounds by its max_logprobs."""
+    for name in ("logprobs", "top_logprobs"):
+        if values.get(name) == -1 and vocab_size is not None:
+            values = {**values, name: vocab_size}
+    return values
 
 
-def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None):
-    """body[name] checked against kind; JSON null counts as absent. bool is not a number."""
-    value = body.get(name)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        names = " or ".join(_JSON_NAMES[k] for k in kinds)
-        raise ProtocolError(f"{name} must be {names}.", status=422, param=name)
-    return value
+def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
+    """The GenerationRequest fields both routes share."""
+    stream = values.get("stream", False)
+    if "stream_options" in values and not stream:
+        raise ProtocolError(
+            "stream_options is only allowed with stream: true.", param="stream_options"
+        )
+    options = values.get("stream_options", {})
+    include_usage = options.get("include_usage", False)
+    return {
+        "model": values.get("model"),
+        "params": params,
+        "stream": stream,
+        "include_usage": include_usage,
+        "continuous_usage": include_usage and options.get("continuous_usage_stats", False),
+        "priority": values.get("priority", 0),
+        "prompt_logprobs": values.get("prompt_logprobs"),
+        "max_tokens_field": next(
+            (name for name in ("max_completion_tokens", "max_tokens") if name in values), None
+        ),
+        "timeout": values.get("timeout"),
+    }
 
 
-_JSON_NAMES = {
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    bool: "a boolean",
-    list: "an array",
-    dict: "an object",
-}
+def checked_fields(body: dict[str, Any], route: str) -> dict[str, Any]:
+    return checked_values(body, fields_for(route))
 
 
-def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _get(body, "stream", bool, False)
-    options = _get(body, "stream_options", dict, {})
-    include_usage = _get(options, "include_usage", bool, False)
-    return stream, stream and include_usage
+def checked_values(body: dict[str, Any], fields: Iterable[Field], at: str = "") -> dict[str, Any]:
+    """The fields the body holds (null counts as absent), each of its JSON type (else 400, code
+    invalid_type) and, for the server's own fields, in range (else 400); `at` is where the body
+    sits in the request. Unknown fields are ignored."""
+    values = {}
+    for f in fields:
+        value, path = body.get(f.name), at + f.name
+        if value is not None:
+            values[f.name] = _checked(f, value, path)
+        elif f.required:
+            raise ProtocolError(
+                f"{path} is required.", param=path, code="missing_required_parameter"
+            )
+    return values
 
 
-def _parse_prompt(prompt: Any) -> list[PromptType]:
+def _checked(f: Field, value: Any, path: str) -> Any:
+    if "integer" in f.types and _outside_int64(value):
+        raise ProtocolError(f"{path} must be an integer in [-2^63, 2^63 - 1].", param=path)
+    if not f.accepts(value):
+        message = f"{path} must be {f.type_text()}."
+        raise ProtocolError(message, param=path, code="invalid_type")
+    if f.members:
+        value = {**value, **checked_values(value, f.members, f"{path}.")}
+    if f.param is None and f.has_range and not f.in_range(value):
+        raise ProtocolError(f"{path} must be {f.range_text()}.", param=path)
+    return float(value) if f.types == ("number",) else value
+
+
+def _outside_int64(value: Any) -> bool:
+    """orjson reads an integer beyond 64 bits as a float: an integral one that large was one."""
+    if isinstance(value, float):
+        return value.is_integer() and abs(value) >= 2**63
+    return is_json_type(value, "integer") and not -(2**63) <= value < 2**63
+
+
+def _parse_prompt(prompt: str | list[Any]) -> list[PromptType]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    if prompt is _MISSING or prompt is None:
-        raise ProtocolError("prompt is required.", status=422, param="prompt")
     if isinstance(prompt, str):
         return [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise ProtocolError(
-            "prompt must be a string, an array of strings or an array of token ids.",
-            status=422,
-            param="prompt",
-        )
-    if all(_is_int(t) for t in prompt):
+    if all(is_json_type(t, "integer") for t in prompt) and prompt:
         return [{"prompt_token_ids": prompt}]
-    if all(isinstance(p, str) for p in prompt):
+    if all(isinstance(p, str) for p in prompt) and prompt:
         return list(prompt)
-    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+    if prompt and all(_is_token_ids(p) for p in prompt):
         return [{"prompt_token_ids": p} for p in prompt]
     raise ProtocolError(
         "prompt must be a string, an array of strings, an array of token ids "
         "or an array of token-id arrays.",
-        status=422,
         param="prompt",
     )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list) and bool(value) and all(is_json_type(t, "integer") for t in value)
+    )
 
 
-def _parse_messages(messages: Any) -> list[dict[str, Any]]:
-    if messages is _MISSING or messages is None:
-        raise ProtocolError("messages is required.", status=422, param="messages")
-    if not isinstance(messages, list) or not messages:
+def _parse_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    if not messages:
         raise ProtocolError(
-            "messages must be a non-empty array of message objects.", status=422, param="messages"
+            "messages must be a non-empty array of message objects.", param="messages"
         )
     return [_parse_message(m, i) for i, m in enumerate(messages)]
 
 
 def _parse_message(message: Any, index: int) -> dict[str, Any]:
-    param = f"messages[{index}]"
+    at = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise ProtocolError(f"{param} must be an object.", status=422, param=param)
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise ProtocolError(f"{param}.role must be a string.", status=422, param=f"{param}.role")
-    return {**message, "content": _message_text(message.get("content"), param)}
+        raise ProtocolError(f"{at} must be an object.", param=at)
+    values = checked_values(message, MESSAGE_FIELDS, f"{at}.")
+    if not values["role"]:
+        raise ProtocolError(f"{at}.role must not be empty.", param=f"{at}.role")
+    if "content" not in values and values["role"] != "assistant":
+        message_text = f"{at}.content is required: only an assistant message may leave it out."
+        raise ProtocolError(message_text, param=f"{at}.content")
+    return {**message, "content": _message_text(values.get("content"), at)}
 
 
-def _message_text(content: Any, param: str) -> str:
+def _message_text(content: str | list[Any] | None, param: str) -> str:
     """String content as is; an array of content parts joined (text parts only)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if not isinstance(content, list):
-        raise ProtocolError(
-            f"{param}.content must be a string or an array of content parts.",
-            status=422,
-            param=f"{param}.content",
-        )
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text":
@@ -263,120 +282,61 @@ def _message_text(content: Any, param: str) -> str:
         if not isinstance(part.get("text"), str):
             raise ProtocolError(
                 f"{param}.content: a text part needs a string text.",
-                status=422,
                 param=f"{param}.content",
             )
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-def _chat_logprobs(body: dict[str, Any]) -> int | None:
+def _chat_logprobs(values: dict[str, Any]) -> int | None:
     """Chat asks with logprobs: bool and top_logprobs: int; the engine with one int."""
-    wanted = _get(body, "logprobs", bool, False)
-    top = _get(body, "top_logprobs", int)
+    wanted = values.get("logprobs", False)
+    top = values.get("top_logprobs")
     if top is not None and not wanted:
         raise ProtocolError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     return (top or 0) if wanted else None
 
 
-def _sampling_params(
-    body: dict[str, Any], stream: bool, max_tokens: int | None, logprobs: int | None
-) -> SamplingParams:
-    kwargs: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "logprobs": logprobs,
-        "output_kind": RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-    }
-    for name, kind in _SAMPLING_BODY_FIELDS.items():
-        value = _get(body, name, kind)
-        if value is not None:
-            kwargs[name] = value
-    stop = _parse_stop(body.get("stop"))
-    if stop is not None:
-        kwargs["stop"] = stop
-    if "logit_bias" in kwargs:
-        kwargs["logit_bias"] = _parse_logit_bias(kwargs["logit_bias"])
-    for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
-        if name in kwargs:
-            _check_list(kwargs[name], name, str if name == "bad_words" else int)
-    return _build_params(kwargs)
-
-
-# request field -> JSON type, with SamplingParams' (vLLM's) names
-_SAMPLING_BODY_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "n": int,
-    "best_of": int,
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "seed": int,
-    "presence_penalty": float,
-    "frequency_penalty": float,
-    "repetition_penalty": float,
-    "logit_bias": dict,
-    "min_tokens": int,
-    "ignore_eos": bool,
-    "stop_token_ids": list,
-    "include_stop_str_in_output": bool,
-    "skip_special_tokens": bool,
-    "prompt_logprobs": int,
-    "allowed_token_ids": list,
-    "bad_words": list,
-}
-
-
-def _parse_stop(stop: Any) -> list[str] | None:
-    if stop is None:
-        return None
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise ProtocolError("stop must be a string or an array of strings.", status=422, param="stop")
-
-
-def _parse_logit_bias(bias: dict[str, Any]) -> dict[int, float]:
+def _sampling_params(values: dict[str, Any], route: str, **overrides: Any) -> SamplingParams:
+    """The table's sampling fields by their SamplingParams names (a later field wins, as
+    max_completion_tokens over max_tokens); out-of-range values become a 400."""
+    kwargs: dict[str, Any] = {"max_tokens": None}  # the rest of the context, unless the route says
+    for f in fields_for(route):
+        value = values.get(f.name, f.default)
+        if f.param is not None and value is not None:
+            kwargs[f.param] = value
+    stream = values.get("stream", False)
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
-        return {int(token): float(value) for token, value in bias.items()}
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(
-            "logit_bias must map token ids to numbers.", status=422, param="logit_bias"
-        ) from e
+        return SamplingParams(**{**kwargs, **overrides})
+    except ValueError as e:
+        raise from_validation_error(e) from e
 
 
-def _check_list(values: list[Any], name: str, kind: type) -> None:
-    ok = all(isinstance(v, kind) and not isinstance(v, bool) for v in values)
-    if not ok:
-        raise ProtocolError(
-            f"{name} must be an array of {_JSON_NAMES[kind]}s.", status=422, param=name
-        )
+@dataclass
+class TokenizeRequest:
+    """A parsed /tokenize body: exactly one of prompt and messages."""
+
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    return_token_strs: bool
 
 
-def _build_params(kwargs: dict[str, Any]) -> SamplingParams:
-    """Only the fields this SamplingParams has; out-of-range values become a 400."""
-    unsupported = sorted(k for k in kwargs if k not in _SAMPLING_FIELDS)
-    if unsupported:
-        logger.debug("ignoring sampling fields this engine lacks: %s", ", ".join(unsupported))
-    try:
-        return SamplingParams(**{k: v for k, v in kwargs.items() if k in _SAMPLING_FIELDS})
-    except (ValueError, TypeError) as e:
-        raise from_value_error(ValueError(str(e))) from e
-
-
-def parse_tokenize(body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None, bool]:
-    """/tokenize: (prompt, messages, add_special_tokens); exactly one of prompt and messages."""
-    prompt = _get(body, "prompt", str)
-    messages = body.get("messages")
+def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
+    values = checked_fields(body, TOKENIZE)
+    prompt, messages = values.get("prompt"), values.get("messages")
     if (prompt is None) == (messages is None):
-        raise ProtocolError("give either prompt or messages.", status=422, param="prompt")
+        raise ProtocolError("give either prompt or messages.", param="prompt")
     if messages is not None:
         messages = _parse_messages(messages)
-    return prompt, messages, _get(body, "add_special_tokens", bool, messages is None)
+    return TokenizeRequest(
+        prompt=prompt,
+        messages=messages,
+        add_special_tokens=values.get("add_special_tokens", messages is None),
+        return_token_strs=values.get("return_token_strs", False),
+    )
 
 
 def parse_detokenize(body: dict[str, Any]) -> list[int]:
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
-        raise ProtocolError("tokens must be an array of token ids.", status=422, param="tokens")
-    return tokens
+    return checked_fields(body, DETOKENIZE)["tokens"]

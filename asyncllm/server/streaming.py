@@ -18,7 +18,8 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from asyncllm.engine.async_llm import EngineDeadError
-from asyncllm.server.protocol import ProtocolError
+from asyncllm.errors import ValidationError
+from asyncllm.server.protocol import ProtocolError, from_validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ def error_for(error: BaseException) -> ProtocolError:
     """Any failure -> the OpenAI error it is reported as."""
     if isinstance(error, ProtocolError):
         return error
+    if isinstance(error, ValidationError):
+        return from_validation_error(error)
     if isinstance(error, EngineDeadError):
         return ProtocolError(str(error), status=503, type="service_unavailable")
     logger.exception("request failed", exc_info=error)
@@ -213,7 +216,7 @@ class WebSocketSession:
             await self._send_error(request_id, error)
             return
         if not isinstance(body, dict):
-            error = ProtocolError("body must be an object.", status=422, param="body")
+            error = ProtocolError("body must be an object.", param="body")
             await self._send_error(request_id, error)
             await self._send({"type": "done", "id": request_id})
             return
@@ -273,5 +276,5 @@ def error_response(error: ProtocolError) -> web.Response:
     )
 
 
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+def json_response(data: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json")

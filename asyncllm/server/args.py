@@ -1,0 +1,28 @@
+"""ServerArgs: the server's own settings (the engine's are EngineArgs)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    root_path: str = ""
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    max_concurrent_requests: int = 0  # 0: no limit
+    max_waiting_requests: int = 0  # requests not yet scheduled before 503; 0: no limit
+    max_queue_wait: float = 0.0  # seconds a request may wait to be scheduled; 0: no limit
+    trust_request_chat_template: bool = False  # accept chat_template in chat_template_kwargs
+    keepalive_interval: float = 5.0  # seconds of silence before a `: keep-alive` comment
+    shutdown_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
+
+    @classmethod
+    def from_namespace(cls, namespace: Any) -> ServerArgs:
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(namespace, n) for n in names if hasattr(namespace, n)})
