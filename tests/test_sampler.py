@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncllm.request import Request
+from asyncllm.sample import batch as batch_module
 from asyncllm.sample import sampler as sampler_module
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, apply_logits_processors, apply_top_k_top_p
@@ -353,6 +354,34 @@ def test_a_forgotten_request_starts_again_from_its_host_lists() -> None:
     assert Sampler()(logits.clone(), state.metadata([request])).sampled_token_ids.item() == 1
     state.forget([request.request_id])  # e.g. preempted: its in-flight token is dropped
     assert Sampler()(logits.clone(), state.metadata([request])).sampled_token_ids.item() == 2
+
+
+def test_a_batch_goes_to_the_device_in_one_copy_per_dtype(monkeypatch) -> None:
+    copies, to_device = [], batch_module.to_device
+
+    def counted(values, device):
+        copies.append(str(values.dtype))
+        return to_device(values, device)
+
+    monkeypatch.setattr(batch_module, "to_device", counted)
+    everything = SamplingParams(
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.1,
+        seed=3,
+        logit_bias={4: 1.0},
+        allowed_token_ids=[4, 5, 6],
+        min_tokens=2,
+        stop_token_ids=[7],
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        logprobs=2,
+    )
+    requests = [make_request(everything, output=[1], bad_words=[[5], [1, 6]])]
+    build(requests + [make_request(SamplingParams())])
+    assert sorted(copies) == ["float32", "int64"]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])

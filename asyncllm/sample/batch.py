@@ -1,8 +1,9 @@
 """SamplingBatch: the device tensors of one batch composition (the same requests in the same
 order), built once and reused by every step the composition lasts.
 
-A build gathers every per-row and per-token list on the host and sends them in one copy per
-dtype; a step only computes its bans (min_tokens stops, completed bad words) on the device.
+A build gathers every per-row and per-token list on the host, in three groups (_RowLists,
+_EditLists, _PenaltyLists) that declare each list's dtype and shape, and sends them in one copy
+per dtype; a step only computes its bans (min_tokens stops, completed bad words) on the device.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from asyncllm.sample.history import PenaltyHistory, RecentTokens, to_device
@@ -27,6 +30,8 @@ from asyncllm.sampling_params import SamplingParams
 from kernels.sampling import GREEDY, GREEDY_MASKED, MASKED, RACE, Penalties, RowKeys
 
 _ANY_TOKEN = -2  # a bad-word prefix position that matches whatever was sampled there
+
+A = TypeVar("A")  # a group's lists: host array-likes when built, device tensors once uploaded
 
 
 def stop_tokens(request: SamplingRequest) -> list[int]:
@@ -44,26 +49,6 @@ def _mode(greedy: bool, masked: bool) -> int:
     return MASKED if masked else RACE
 
 
-class _Lists:
-    """Named host lists of one dtype, sent to the device as views of a single copy."""
-
-    def __init__(self, dtype: np.dtype) -> None:
-        self.dtype = dtype
-        self.lists: dict[str, np.ndarray] = {}
-
-    def add(self, **lists: list | np.ndarray) -> None:
-        for name, values in lists.items():
-            self.lists[name] = np.asarray(values, dtype=self.dtype)
-
-    def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
-        flat = to_device(np.concatenate(list(self.lists.values())), device)
-        views, start = {}, 0
-        for name, values in self.lists.items():
-            views[name] = flat[start : start + len(values)]
-            start += len(values)
-        return views
-
-
 def _flatten(per_row: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The rows and entries of per-row collections, flattened."""
     rows = np.repeat(np.arange(len(per_row)), [len(entries) for entries in per_row])
@@ -71,25 +56,90 @@ def _flatten(per_row: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     return rows, entries
 
 
+def _list(dtype: type) -> Any:
+    """A field of a group of lists, sent to the device as dtype."""
+    return field(metadata={"dtype": dtype})
+
+
+@dataclass
+class _RowLists(Generic[A]):
+    """The settings of the B rows, and the allowed tokens of the rows that restrict."""
+
+    temperature: A = _list(np.float32)  # [B]; 1.0 on greedy rows (unused there)
+    top_p: A = _list(np.float32)  # [B]
+    min_p: A = _list(np.float32)  # [B]
+    greedy: A = _list(np.int64)  # [B]; 0 or 1
+    modes: A = _list(np.int64)  # [B]: kernels.sampling modes
+    top_k: A = _list(np.int64)  # [B]; 0 where off
+    seed: A = _list(np.int64)  # [B]; 0 on the rows that are not seeded
+    seeded: A = _list(np.int64)  # [B]; 0 or 1
+    num_sampled: A = _list(np.int64)  # [B]
+    allowed_rows: A = _list(np.int64)  # [Ka]
+    allowed_tokens: A = _list(np.int64)  # [Ka]
+    restricting: A = _list(np.int64)  # [R]: the rows with allowed_token_ids
+
+
+@dataclass
+class _EditLists(Generic[A]):
+    """The (row, token) pairs of the logit edits, of which each step computes the values:
+    biases first, then min_tokens stops (banned while their row's remaining count is above the
+    step), then the last tokens of bad words (banned while the output ends with the rest of the
+    word); and the rows with bad words, whose sampled ids RecentTokens records."""
+
+    rows: A = _list(np.int64)  # [K], K = Kb + Ks + Kw
+    tokens: A = _list(np.int64)  # [K]
+    bias: A = _list(np.float32)  # [Kb]
+    stop_remaining: A = _list(np.int64)  # [Ks]: min_tokens - tokens sampled at step 0
+    word_slots: A = _list(np.int64)  # [Kw]: the word's row's slot in RecentTokens
+    word_prefixes: A = _list(np.int64)  # [Kw, W], right-aligned, _ANY_TOKEN before
+    recent_rows: A = _list(np.int64)  # [Rw]: the rows with bad words
+    recent_slots: A = _list(np.int64)  # [Rw]: their slots in RecentTokens
+
+
+@dataclass
+class _PenaltyLists(Generic[A]):
+    """The penalties of the B rows, and the P rows with one."""
+
+    presence: A = _list(np.float32)  # [B]
+    frequency: A = _list(np.float32)  # [B]
+    repetition: A = _list(np.float32)  # [B]
+    rows: A = _list(np.int64)  # [P]
+    slots: A = _list(np.int64)  # [P]: their slots in PenaltyHistory
+    slot_of_row: A = _list(np.int64)  # [B]; -1 on the rows without
+
+
+def _upload(groups: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+    """The groups with their lists on the device, as views of a single copy per dtype."""
+    fields = [(group, f) for group in groups for f in dataclasses.fields(group)]
+    arrays = [np.asarray(getattr(group, f.name), f.metadata["dtype"]) for group, f in fields]
+    views: dict[int, torch.Tensor] = {}
+    for dtype in dict.fromkeys(a.dtype for a in arrays):
+        same = [i for i, a in enumerate(arrays) if a.dtype == dtype]
+        flat = to_device(np.concatenate([arrays[i].ravel() for i in same]), device)
+        for i, part in zip(same, flat.split([arrays[i].size for i in same])):
+            views[i] = part.view(arrays[i].shape)
+    uploaded = (views[i] for i in range(len(arrays)))
+    return tuple(
+        dataclasses.replace(group, **{f.name: next(uploaded) for f in dataclasses.fields(group)})
+        for group in groups
+    )
+
+
 @dataclass
 class _Edits:
-    """A batch's logit edits, of which each step computes the values: biases first, then
-    min_tokens stops (banned while their row's remaining count is above the step), then the
-    last tokens of bad words (banned while the output ends with the rest of the word)."""
+    """A batch's logit edits (_EditLists' order), at the pairs of index."""
 
     index: TokenIndex
-    bias: torch.Tensor  # float32 [Kb]
-    stop_remaining: torch.Tensor  # int64 [Ks]: min_tokens - tokens sampled at step 0
-    word_slots: torch.Tensor  # int64 [Kw]: the row's slot in RecentTokens
-    word_prefixes: torch.Tensor  # int64 [Kw, W], right-aligned, _ANY_TOKEN before
+    lists: _EditLists[torch.Tensor]
 
     def at(self, step: int, recent: RecentTokens) -> LogitEdits:
-        values = [self.bias]
-        if self.stop_remaining.numel():
-            values.append(torch.where(self.stop_remaining > step, float("-inf"), 0.0))
-        if self.word_slots.numel():
-            prefixes = self.word_prefixes
-            last = recent.table[self.word_slots, -prefixes.shape[1] :]
+        lists = self.lists
+        values = [lists.bias]
+        if lists.stop_remaining.numel():
+            values.append(torch.where(lists.stop_remaining > step, float("-inf"), 0.0))
+        if lists.word_slots.numel():
+            prefixes = lists.word_prefixes
+            last = recent.table[lists.word_slots, -prefixes.shape[1] :]
             ended = ((last == prefixes) | (prefixes == _ANY_TOKEN)).all(dim=1)
             values.append(torch.where(ended, float("-inf"), 0.0))
         return LogitEdits(self.index, torch.cat(values) if len(values) > 1 else values[0])
@@ -114,37 +164,36 @@ class SamplingBatch:
         self.history = history
         self.recent = recent
         params = [r.sampling_params for r in requests]
-        floats, ints = _Lists(np.float32), _Lists(np.int64)
-        seeds = _row_lists(params, num_sampled, floats, ints)
-        prefix_width = _edit_lists(requests, num_sampled, recent, floats, ints)
-        self.penalty_host_slots = _penalty_lists(params, self.request_ids, history, floats, ints)
-        _word_lists(requests, recent, ints)
-        lists = floats.upload(device) | ints.upload(device)
-        self.meta = _metadata(params, RandomKeys(seeds, num_sampled, 0), fused, lists)
+        seeds = _seeds(params)
+        penalty_lists = _penalty_lists(params, self.request_ids, history)
+        self.penalty_host_slots = penalty_lists.slots
+        rows, edits, penalties = _upload(
+            (
+                _row_lists(params, num_sampled, seeds),
+                _edit_lists(requests, num_sampled, recent),
+                penalty_lists,
+            ),
+            device,
+        )
+        self.meta = _metadata(params, RandomKeys(seeds, num_sampled, 0), fused, rows)
         self.edits = None
-        if lists["edit_rows"].numel():
-            self.edits = _Edits(
-                TokenIndex(lists["edit_rows"], lists["edit_tokens"]),
-                lists["bias"],
-                lists["stop_remaining"],
-                lists["word_slots"],
-                lists["word_prefixes"].view(-1, prefix_width),
-            )
-        self.penalty_slots = lists["penalty_slots"]
+        if edits.rows.numel():
+            self.edits = _Edits(TokenIndex(edits.rows, edits.tokens), edits)
+        self.recent_rows, self.recent_slots = edits.recent_rows, edits.recent_slots
+        self.penalty_slots = penalties.slots
         self.penalties = None
         if self.penalty_slots.numel():
             self.penalties = Penalties(
-                rows=lists["penalty_rows"],
-                slot=lists["slot_of_row"],
-                presence=lists["presence"],
-                frequency=lists["frequency"],
-                repetition=lists["repetition"],
+                rows=penalties.rows,
+                slot=penalties.slot_of_row,
+                presence=penalties.presence,
+                frequency=penalties.frequency,
+                repetition=penalties.repetition,
                 counts=history.counts,
                 seen=history.seen,
                 tokens=history.tokens,
                 lengths=history.lengths,
             )
-        self.word_rows, self.word_slots = lists["word_rows"], lists["word_row_slots"]
 
     def step_metadata(self) -> SamplingMetadata:
         random = dataclasses.replace(self.meta.random, step=self.steps)
@@ -170,25 +219,24 @@ class SamplingBatch:
         if self.penalties is not None:
             rows = self.penalties.rows
             self.history.record(sampled, rows, self.penalty_slots, self.penalty_host_slots)
-        if self.word_rows.numel():
-            self.recent.record(self.word_slots, sampled.index_select(0, self.word_rows))
+        if self.recent_rows.numel():
+            self.recent.record(self.recent_slots, sampled.index_select(0, self.recent_rows))
+
+
+def _seeds(params: list[SamplingParams]) -> tuple[int | None, ...]:
+    """Per row: the seed of a seeded request that samples (not greedy), else None."""
+    return tuple(p.seed % 2**63 if p.seed is not None and not p.greedy else None for p in params)
 
 
 def _row_lists(
-    params: list[SamplingParams], num_sampled: tuple[int, ...], floats: _Lists, ints: _Lists
-) -> tuple[int | None, ...]:
-    """One entry per row: its settings; returns the seeds of the seeded rows that sample."""
+    params: list[SamplingParams], num_sampled: tuple[int, ...], seeds: tuple[int | None, ...]
+) -> _RowLists[npt.ArrayLike]:
     greedy = [p.greedy for p in params]
-    seeds = tuple(
-        p.seed % 2**63 if p.seed is not None and not g else None for p, g in zip(params, greedy)
-    )
     allowed_rows, allowed_tokens = _flatten([p.allowed_token_ids or () for p in params], np.int64)
-    floats.add(
+    return _RowLists(
         temperature=[1.0 if g else p.temperature for p, g in zip(params, greedy)],
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
-    )
-    ints.add(
         greedy=greedy,
         modes=[_mode(g, _masked(p)) for p, g in zip(params, greedy)],
         top_k=[max(p.top_k, 0) for p in params],
@@ -199,18 +247,11 @@ def _row_lists(
         allowed_tokens=allowed_tokens,
         restricting=[i for i, p in enumerate(params) if p.allowed_token_ids is not None],
     )
-    return seeds
 
 
 def _edit_lists(
-    requests: Sequence[SamplingRequest],
-    num_sampled: tuple[int, ...],
-    recent: RecentTokens,
-    floats: _Lists,
-    ints: _Lists,
-) -> int:
-    """The (row, token) pairs of the logit edits, in _Edits' order; returns the bad-word
-    prefixes' width."""
+    requests: Sequence[SamplingRequest], num_sampled: tuple[int, ...], recent: RecentTokens
+) -> _EditLists[npt.ArrayLike]:
     biases = [r.sampling_params.logit_bias or {} for r in requests]
     bias_rows, bias_tokens = _flatten(biases, np.int64)
     _, bias = _flatten([b.values() for b in biases], np.float32)
@@ -222,43 +263,36 @@ def _edit_lists(
     prefixes = [w[:-1] for ws in words for w in ws]
     width = max([1] + [len(p) for p in prefixes])
     slots = [recent.slots.of[r.request_id] if ws else -1 for r, ws in zip(requests, words)]
-    floats.add(bias=bias)
-    ints.add(
-        edit_rows=np.concatenate([bias_rows, stop_rows, word_rows]),
-        edit_tokens=np.concatenate([bias_tokens, stop_tokens_, word_ends]),
+    recent_rows = [i for i, ws in enumerate(words) if ws]
+    return _EditLists(
+        rows=np.concatenate([bias_rows, stop_rows, word_rows]),
+        tokens=np.concatenate([bias_tokens, stop_tokens_, word_ends]),
+        bias=bias,
         stop_remaining=np.asarray(left)[stop_rows],
         word_slots=np.asarray(slots)[word_rows],
-        word_prefixes=[t for p in prefixes for t in [_ANY_TOKEN] * (width - len(p)) + p],
+        word_prefixes=np.reshape(
+            [[_ANY_TOKEN] * (width - len(p)) + p for p in prefixes], (-1, width)
+        ),
+        recent_rows=recent_rows,
+        recent_slots=[slots[i] for i in recent_rows],
     )
-    return width
 
 
 def _penalty_lists(
-    params: list[SamplingParams],
-    request_ids: tuple[str, ...],
-    history: PenaltyHistory,
-    floats: _Lists,
-    ints: _Lists,
-) -> np.ndarray:
-    """The penalties per row, and the rows with one and their history slots; returns those
-    slots on the host."""
+    params: list[SamplingParams], request_ids: tuple[str, ...], history: PenaltyHistory
+) -> _PenaltyLists[npt.ArrayLike]:
     rows = [i for i, p in enumerate(params) if p.uses_penalties]
     slots = np.array([history.slots.of[request_ids[i]] for i in rows], dtype=np.int64)
     slot_of_row = np.full(len(params), -1, dtype=np.int64)
     slot_of_row[rows] = slots
-    floats.add(
+    return _PenaltyLists(
         presence=[p.presence_penalty for p in params],
         frequency=[p.frequency_penalty for p in params],
         repetition=[p.repetition_penalty for p in params],
+        rows=rows,
+        slots=slots,
+        slot_of_row=slot_of_row,
     )
-    ints.add(penalty_rows=rows, penalty_slots=slots, slot_of_row=slot_of_row)
-    return slots
-
-
-def _word_lists(requests: Sequence[SamplingRequest], recent: RecentTokens, ints: _Lists) -> None:
-    """The rows with bad words and their RecentTokens slots."""
-    rows = [i for i, r in enumerate(requests) if r.bad_words_token_ids]
-    ints.add(word_rows=rows, word_row_slots=[recent.slots.of[requests[i].request_id] for i in rows])
 
 
 def _masked(params: SamplingParams) -> bool:
@@ -266,33 +300,30 @@ def _masked(params: SamplingParams) -> bool:
 
 
 def _metadata(
-    params: list[SamplingParams],
-    random: RandomKeys,
-    fused: bool,
-    lists: dict[str, torch.Tensor],
+    params: list[SamplingParams], random: RandomKeys, fused: bool, rows: _RowLists[torch.Tensor]
 ) -> SamplingMetadata:
     """The step-independent part of the batch's metadata."""
     num_logprobs = tuple(p.logprobs for p in params)
     asked = [n for n in num_logprobs if n is not None]
     if fused:
-        random.tensors = RowKeys(lists["seed"], lists["seeded"], lists["num_sampled"], 0, 0)
+        random.tensors = RowKeys(rows.seed, rows.seeded, rows.num_sampled, 0, 0)
     allowed = None
-    if lists["restricting"].numel():
-        allowed = TokenIndex(lists["allowed_rows"], lists["allowed_tokens"])
+    if rows.restricting.numel():
+        allowed = TokenIndex(rows.allowed_rows, rows.allowed_tokens)
     return SamplingMetadata(
-        temperature=lists["temperature"],
-        greedy=lists["greedy"].bool(),
+        temperature=rows.temperature,
+        greedy=rows.greedy.bool(),
         all_greedy=all(p.greedy for p in params),
         random=random,
-        top_k=lists["top_k"] if any(p.top_k > 0 for p in params) else None,
+        top_k=rows.top_k if any(p.top_k > 0 for p in params) else None,
         max_top_k=max(p.top_k for p in params),
         top_k_everywhere=all(p.top_k > 0 for p in params),
-        top_p=lists["top_p"] if any(p.top_p < 1.0 for p in params) else None,
-        min_p=lists["min_p"] if any(p.min_p > 0.0 for p in params) else None,
+        top_p=rows.top_p if any(p.top_p < 1.0 for p in params) else None,
+        min_p=rows.min_p if any(p.min_p > 0.0 for p in params) else None,
         allowed=allowed,
-        allowed_rows=lists["restricting"] if allowed is not None else None,
+        allowed_rows=rows.restricting if allowed is not None else None,
         num_logprobs=num_logprobs,
         max_num_logprobs=max(asked) if asked else None,
-        modes=lists["modes"] if fused else None,
+        modes=rows.modes if fused else None,
         any_masked=any(_masked(p) for p in params),
     )
