@@ -159,6 +159,23 @@ async def test_a_dead_core_ends_the_requests_in_flight(tiny_model_dir) -> None:
     await engine.shutdown()
 
 
+def test_the_core_process_can_be_read_without_an_event_loop(tiny_model_dir) -> None:
+    """CoreProcessClient.get_output blocks this thread, as LLM's loop would."""
+    client = CoreProcessClient(engine_args(tiny_model_dir).create_engine_config())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    client.add_request(EngineCoreRequest("r", [5, 6, 7], params, frozenset(), 6, 0.0))
+    tokens, finish, step = [], None, None
+    while step is None or step.has_work:
+        step = client.get_output()
+        for out in step.outputs:
+            tokens += out.new_token_ids
+            finish = out.finish_reason or finish
+    assert (len(tokens), finish) == (6, "length")
+    assert step.stats.kv_cache_usage == 0
+    client.shutdown()
+    assert client.process.poll() == 0
+
+
 def core_output(request_id, tokens, **fields) -> EngineCoreOutput:
     return EngineCoreOutput(request_id, list(tokens), **fields)
 

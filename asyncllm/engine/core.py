@@ -38,9 +38,9 @@ class _LaunchedStep:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = executor or create_executor(config)
+        self.executor: Executor = create_executor(config)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
