@@ -434,6 +434,58 @@ async def test_chat_echo_repeats_the_assistant_message_it_continues(server) -> N
     assert not plain["choices"][0]["message"]["content"].startswith("Hello there")
 
 
+OPEN_REPLY = [*CHAT, {"role": "assistant", "content": "Hello there"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+async def rendered(server, messages: list[dict], **options: bool) -> str:
+    """The chat template's text for these messages, as /tokenize renders it."""
+    _, tokens = await post_json(server, "/tokenize", {"messages": messages, **options})
+    _, text = await post_json(server, "/detokenize", {"tokens": tokens["tokens"]})
+    return text["prompt"]
+
+
+async def test_continue_final_message_leaves_the_assistant_message_open(server) -> None:
+    assert (await rendered(server, OPEN_REPLY, **CONTINUE)).endswith("Hello there")
+    closed = await rendered(server, OPEN_REPLY)
+    assert not closed.endswith("Hello there") and "Hello there<|im_end|>" in closed
+    body = {"messages": OPEN_REPLY, "max_tokens": 2, "ignore_eos": True}
+    _, continued = await post_json(server, "/v1/chat/completions", {**body, **CONTINUE})
+    _, opened = await post_json(server, "/v1/chat/completions", body)
+    _, tokens = await post_json(server, "/tokenize", {"messages": OPEN_REPLY, **CONTINUE})
+    assert continued["usage"]["prompt_tokens"] == tokens["count"]
+    assert opened["usage"]["prompt_tokens"] > tokens["count"]  # end of turn, a new opening
+
+
+async def test_tokenize_counts_the_generation_prompt_only_when_asked(server) -> None:
+    _, opened = await post_json(server, "/tokenize", {"messages": CHAT})
+    body = {"messages": CHAT, "add_generation_prompt": False}
+    _, plain = await post_json(server, "/tokenize", body)
+    assert opened["tokens"][: plain["count"]] == plain["tokens"]
+    assert opened["count"] > plain["count"]
+    _, opening = await post_json(
+        server, "/detokenize", {"tokens": opened["tokens"][plain["count"] :]}
+    )
+    assert "assistant" in opening["prompt"]
+    assert not (await rendered(server, CHAT, add_generation_prompt=False)).endswith("assistant\n")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize(
+    ("messages", "options"),
+    [
+        (OPEN_REPLY, {"add_generation_prompt": True, "continue_final_message": True}),
+        (OPEN_REPLY, {"continue_final_message": True}),  # add_generation_prompt defaults to true
+        (CHAT, CONTINUE),  # no assistant message to continue
+    ],
+)
+async def test_continue_final_message_is_refused_where_it_cannot_apply(
+    server, path, messages, options
+) -> None:
+    status, error = await post_json(server, path, {"messages": messages, **options})
+    assert status == 400 and error["error"]["param"] == "continue_final_message"
+
+
 async def test_tokenize_returns_token_strings_when_asked(server) -> None:
     body = {"prompt": "hello world", "return_token_strs": True}
     status, reply = await post_json(server, "/tokenize", body)
