@@ -705,6 +705,28 @@ async def test_metrics_vllm_dashboards_read(server) -> None:
     assert sample_value(after, "asyncllm:cache_config_info", block_size="16") == 1
 
 
+async def test_iteration_tokens_count_the_tokens_of_each_engine_step(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        await until_idle(session, server)
+        async with session.get(f"{server.url}/metrics") as r:
+            before = await r.text()
+        for first in (3000, 3100):  # fresh prompts: no prefix cache hits
+            body = {"prompt": list(range(first, first + 20)), "max_tokens": 4, "ignore_eos": True}
+            async with session.post(f"{server.url}/v1/completions", json=body) as r:
+                assert r.status == 200
+        async with session.get(f"{server.url}/metrics") as r:
+            after = await r.text()
+
+    def grew(sample: str, **labels: str) -> float:
+        name = f"asyncllm:iteration_tokens_total_{sample}"
+        return sample_value(after, name, **labels) - sample_value(before, name, **labels)
+
+    # each request: a step over its 20 prompt tokens, then one step per further token
+    assert grew("count", model_name="tiny") == 2 * 4
+    assert grew("sum") == 2 * (20 + 3)
+    assert [grew("bucket", le=le) for le in ("1.0", "16.0", "32.0", "+Inf")] == [6, 6, 8, 8]
+
+
 # -- the real default model ----------------------------------------------------------------
 
 
