@@ -191,6 +191,7 @@ async def test_steps_that_queued_up_join_per_request() -> None:
             [core_output("a", [1], new_logprobs=[token_logprobs(1)])],
             EngineStats(),
             first_scheduled={"a": 1.0},
+            num_scheduled_tokens=[9],
         ),
         CoreStep(
             [
@@ -200,6 +201,7 @@ async def test_steps_that_queued_up_join_per_request() -> None:
             ],
             EngineStats(),
             first_scheduled={"b": 2.0},
+            num_scheduled_tokens=[4],
         ),
         CoreStep(
             [
@@ -209,6 +211,7 @@ async def test_steps_that_queued_up_join_per_request() -> None:
                 ),
             ],
             stats=EngineStats(num_running=2),
+            num_scheduled_tokens=[3, 2],  # itself joined from two steps
         ),
     ]
     joined = join_steps(steps)
@@ -226,6 +229,7 @@ async def test_steps_that_queued_up_join_per_request() -> None:
     ]
     assert joined.first_scheduled == {"a": 1.0, "b": 2.0}
     assert joined.stats.num_running == 2
+    assert joined.num_scheduled_tokens == [9, 4, 3, 2]  # each step's own count
 
 
 async def test_a_stop_string_inside_joined_tokens_ends_the_request_at_its_token(

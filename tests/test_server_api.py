@@ -434,6 +434,58 @@ async def test_chat_echo_repeats_the_assistant_message_it_continues(server) -> N
     assert not plain["choices"][0]["message"]["content"].startswith("Hello there")
 
 
+OPEN_REPLY = [*CHAT, {"role": "assistant", "content": "Hello there"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+async def rendered(server, messages: list[dict], **options: bool) -> str:
+    """The chat template's text for these messages, as /tokenize renders it."""
+    _, tokens = await post_json(server, "/tokenize", {"messages": messages, **options})
+    _, text = await post_json(server, "/detokenize", {"tokens": tokens["tokens"]})
+    return text["prompt"]
+
+
+async def test_continue_final_message_leaves_the_assistant_message_open(server) -> None:
+    assert (await rendered(server, OPEN_REPLY, **CONTINUE)).endswith("Hello there")
+    closed = await rendered(server, OPEN_REPLY)
+    assert not closed.endswith("Hello there") and "Hello there<|im_end|>" in closed
+    body = {"messages": OPEN_REPLY, "max_tokens": 2, "ignore_eos": True}
+    _, continued = await post_json(server, "/v1/chat/completions", {**body, **CONTINUE})
+    _, opened = await post_json(server, "/v1/chat/completions", body)
+    _, tokens = await post_json(server, "/tokenize", {"messages": OPEN_REPLY, **CONTINUE})
+    assert continued["usage"]["prompt_tokens"] == tokens["count"]
+    assert opened["usage"]["prompt_tokens"] > tokens["count"]  # end of turn, a new opening
+
+
+async def test_tokenize_counts_the_generation_prompt_only_when_asked(server) -> None:
+    _, opened = await post_json(server, "/tokenize", {"messages": CHAT})
+    body = {"messages": CHAT, "add_generation_prompt": False}
+    _, plain = await post_json(server, "/tokenize", body)
+    assert opened["tokens"][: plain["count"]] == plain["tokens"]
+    assert opened["count"] > plain["count"]
+    _, opening = await post_json(
+        server, "/detokenize", {"tokens": opened["tokens"][plain["count"] :]}
+    )
+    assert "assistant" in opening["prompt"]
+    assert not (await rendered(server, CHAT, add_generation_prompt=False)).endswith("assistant\n")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize(
+    ("messages", "options"),
+    [
+        (OPEN_REPLY, {"add_generation_prompt": True, "continue_final_message": True}),
+        (OPEN_REPLY, {"continue_final_message": True}),  # add_generation_prompt defaults to true
+        (CHAT, CONTINUE),  # no assistant message to continue
+    ],
+)
+async def test_continue_final_message_is_refused_where_it_cannot_apply(
+    server, path, messages, options
+) -> None:
+    status, error = await post_json(server, path, {"messages": messages, **options})
+    assert status == 400 and error["error"]["param"] == "continue_final_message"
+
+
 async def test_tokenize_returns_token_strings_when_asked(server) -> None:
     body = {"prompt": "hello world", "return_token_strs": True}
     status, reply = await post_json(server, "/tokenize", body)
@@ -651,6 +703,28 @@ async def test_metrics_vllm_dashboards_read(server) -> None:
     assert [grew(n) for n in names] == [2, 3 + 4, 3 + 2, 1 + 2, 1, 1, 1]
     assert grew("time_per_output_token_seconds_count") >= 2
     assert sample_value(after, "asyncllm:cache_config_info", block_size="16") == 1
+
+
+async def test_iteration_tokens_count_the_tokens_of_each_engine_step(server) -> None:
+    async with aiohttp.ClientSession() as session:
+        await until_idle(session, server)
+        async with session.get(f"{server.url}/metrics") as r:
+            before = await r.text()
+        for first in (3000, 3100):  # fresh prompts: no prefix cache hits
+            body = {"prompt": list(range(first, first + 20)), "max_tokens": 4, "ignore_eos": True}
+            async with session.post(f"{server.url}/v1/completions", json=body) as r:
+                assert r.status == 200
+        async with session.get(f"{server.url}/metrics") as r:
+            after = await r.text()
+
+    def grew(sample: str, **labels: str) -> float:
+        name = f"asyncllm:iteration_tokens_total_{sample}"
+        return sample_value(after, name, **labels) - sample_value(before, name, **labels)
+
+    # each request: a step over its 20 prompt tokens, then one step per further token
+    assert grew("count", model_name="tiny") == 2 * 4
+    assert grew("sum") == 2 * (20 + 3)
+    assert [grew("bucket", le=le) for le in ("1.0", "16.0", "32.0", "+Inf")] == [6, 6, 8, 8]
 
 
 # -- the real default model ----------------------------------------------------------------

@@ -5,6 +5,7 @@ each request's outputs to its consumer."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +34,9 @@ class AsyncLLM(FrontEnd):
         self.prompt_tokenizer = PromptTokenizer(tokenizer) if tokenizer is not None else None
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
+        # tokens scheduled in a step -> how many steps scheduled that many, for /metrics: at
+        # most max_num_batched_tokens keys, however long the engine runs
+        self.steps_by_num_tokens: collections.Counter[int] = collections.Counter()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> AsyncLLM:
@@ -126,7 +130,9 @@ class AsyncLLM(FrontEnd):
         try:
             while True:
                 # with async scheduling, detokenizes step N while step N+1 computes
-                self.process_step(await self.core_client.get_output_async())
+                step = await self.core_client.get_output_async()
+                self.process_step(step)
+                self.steps_by_num_tokens.update(step.num_scheduled_tokens)
                 await asyncio.sleep(0)  # let consumers run between steps
         except asyncio.CancelledError:
             raise

@@ -100,9 +100,14 @@ class EngineCore:
         finishes the oldest, blocking this thread until its output is on the host."""
         while len(self._in_flight) < self.depth and (launched := self._launch()) is not None:
             self._in_flight.append(launched)
-        outputs = self._finish(self._in_flight.popleft()) if self._in_flight else []
+        outputs: list[EngineCoreOutput] = []
+        num_tokens: list[int] = []
+        if self._in_flight:
+            finished = self._in_flight.popleft()
+            outputs = self._finish(finished)
+            num_tokens = [finished.scheduler_output.total_num_scheduled_tokens]
         first_scheduled, self._first_scheduled = self._first_scheduled, {}
-        return CoreStep(outputs, self.stats(), self.has_work(), first_scheduled)
+        return CoreStep(outputs, self.stats(), self.has_work(), first_scheduled, num_tokens)
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv_cache_manager

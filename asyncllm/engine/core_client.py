@@ -216,8 +216,10 @@ def join_steps(steps: list[CoreStep]) -> CoreStep:
     outputs: list[EngineCoreOutput] = []
     latest: dict[str, int] = {}  # request id -> index of its last output in outputs
     first_scheduled: dict[str, float] = {}
+    num_scheduled_tokens: list[int] = []
     for step in steps:
         first_scheduled |= step.first_scheduled
+        num_scheduled_tokens += step.num_scheduled_tokens
         for out in step.outputs:
             i = latest.get(out.request_id)
             if i is not None and out.new_prompt_logprobs is None:
@@ -225,7 +227,8 @@ def join_steps(steps: list[CoreStep]) -> CoreStep:
             else:
                 latest[out.request_id] = len(outputs)
                 outputs.append(out)
-    return CoreStep(outputs, steps[-1].stats, steps[-1].has_work, first_scheduled)
+    last = steps[-1]
+    return CoreStep(outputs, last.stats, last.has_work, first_scheduled, num_scheduled_tokens)
 
 
 def _joined(before: EngineCoreOutput, after: EngineCoreOutput) -> EngineCoreOutput:

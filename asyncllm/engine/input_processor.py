@@ -61,12 +61,26 @@ class InputProcessor:
         )
         return request, text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        """The conversation as prompt text, ending with the opening of a new assistant message
+        (add_generation_prompt) or, with continue_final_message, inside the last message, which
+        the reply then continues (vLLM's defaults: a new message)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValidationError("messages: this model has no chat template.", "messages")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
         except Exception as e:  # jinja errors from a malformed conversation
             raise ValidationError(

@@ -96,3 +96,6 @@ class CoreStep:
     # request id -> time.monotonic() of its first scheduling, for the requests first scheduled
     # since the last CoreStep (queue-time metrics, --max-queue-wait)
     first_scheduled: dict[str, float] = field(default_factory=dict)
+    # the tokens scheduled in each engine step finished since the last CoreStep (one entry per
+    # step, several in steps joined together), for the iteration_tokens metric
+    num_scheduled_tokens: list[int] = field(default_factory=list)

@@ -382,6 +382,21 @@ FIELDS: tuple[Field, ...] = (
         "variables for the chat template",
         routes=(CHAT,),
     ),
+    Field(
+        "add_generation_prompt",
+        "boolean",
+        "end the rendered messages with the template's opening of an assistant reply",
+        routes=(CHAT, TOKENIZE),
+        default=True,
+    ),
+    Field(
+        "continue_final_message",
+        "boolean",
+        "leave the last message, the assistant's, open for the reply to continue (no end of "
+        "turn); needs add_generation_prompt: false",
+        routes=(CHAT, TOKENIZE),
+        default=False,
+    ),
     Field("priority", "integer", "lower runs first under --scheduling-policy priority"),
     Field(
         "timeout",

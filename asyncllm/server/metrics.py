@@ -15,8 +15,14 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.outputs import RequestOutput
@@ -40,11 +46,12 @@ _PHASE_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class EngineStatsCollector(Collector):
-    """Reads the engine's scheduler and KV cache figures at scrape time: no bookkeeping on the
-    hot path."""
+    """Reads the engine's scheduler, KV cache and step figures at scrape time: no bookkeeping
+    on the hot path."""
 
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
@@ -70,6 +77,23 @@ class EngineStatsCollector(Collector):
             stats.prefix_cache_queries,
         )
         yield self._counter("prefix_cache_hits", "Tokens found in the prefix cache.", stats.prefix_cache_hits)  # fmt: skip
+        yield self._iteration_tokens()
+
+    def _iteration_tokens(self) -> Metric:
+        """vLLM's histogram of the tokens each engine step computed, from the engine's count of
+        steps by size."""
+        steps = self.engine.steps_by_num_tokens
+        buckets = [
+            (floatToGoString(bound), sum(n for size, n in steps.items() if size <= bound))
+            for bound in _ITERATION_TOKEN_BUCKETS
+        ]
+        buckets.append(("+Inf", steps.total()))
+        metric = HistogramMetricFamily(
+            "asyncllm:iteration_tokens_total", "Tokens per engine step.", labels=["model_name"]
+        )
+        total = sum(size * n for size, n in steps.items())
+        metric.add_metric(self.labels, buckets, sum_value=total)
+        return metric
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         metric = GaugeMetricFamily(f"asyncllm:{name}", doc, labels=["model_name"])

@@ -17,6 +17,7 @@ from asyncllm.outputs import RequestOutput
 from asyncllm.server.protocol import (
     GenerationRequest,
     ProtocolError,
+    TemplateOptions,
     decode_json_body,
     from_validation_error,
     parse_chat,
@@ -162,7 +163,10 @@ class OpenAIRoutes:
         self, req: GenerationRequest, response_id: str, admission: Admission
     ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         """(prompt index, output) of every prompt's engine request; None on keep-alive ticks."""
-        prompts = req.prompts if req.kind == "completion" else [self._render_chat(req)]
+        if req.kind == "completion":
+            prompts = req.prompts
+        else:
+            prompts = [self._render_chat(req.messages, req.template, req.chat_template_kwargs)]
         ids = [
             f"{response_id}-{i}" if len(prompts) > 1 else response_id for i in range(len(prompts))
         ]
@@ -221,10 +225,18 @@ class OpenAIRoutes:
                 code="context_length_exceeded",
             )
 
-    def _render_chat(self, req: GenerationRequest) -> str:
+    def _render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template: TemplateOptions,
+        template_kwargs: dict[str, Any],
+    ) -> str:
         try:
             return self.engine.input_processor.apply_chat_template(
-                req.messages, **req.chat_template_kwargs
+                messages,
+                add_generation_prompt=template.add_generation_prompt,
+                continue_final_message=template.continue_final_message,
+                **template_kwargs,
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(str(e), param="messages") from e
@@ -273,7 +285,7 @@ class OpenAIRoutes:
         tokenizer = self._require_tokenizer()
         prompt = req.prompt
         if req.messages is not None:
-            prompt = self.engine.input_processor.apply_chat_template(req.messages)
+            prompt = self._render_chat(req.messages, req.template, {})
         tokens = await self.engine.prompt_tokenizer.encode(prompt, req.add_special_tokens)
         answer = {
             "count": len(tokens),

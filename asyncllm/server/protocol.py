@@ -83,6 +83,15 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template ends the conversation: with the opening of a new assistant message,
+    or inside the last message, which the reply continues (vLLM's two fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
 @dataclass
 class GenerationRequest:
     """A parsed /v1/completions or /v1/chat/completions body."""
@@ -93,6 +102,7 @@ class GenerationRequest:
     prompts: list[PromptType] = field(default_factory=list)  # completions
     messages: list[dict[str, Any]] | None = None  # chat, before the chat template
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    template: TemplateOptions = field(default_factory=TemplateOptions)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # the usage so far in every chunk
@@ -141,10 +151,12 @@ def _echo_overrides(values: dict[str, Any], echo_only: bool) -> dict[str, Any]:
 def parse_chat(body: dict[str, Any], vocab_size: int | None = None) -> GenerationRequest:
     values = _whole_vocabulary(checked_fields(body, CHAT), vocab_size)
     params = _sampling_params(values, CHAT, logprobs=_chat_logprobs(values))
+    messages = _parse_messages(values["messages"])
     return GenerationRequest(
         kind="chat",
-        messages=_parse_messages(values["messages"]),
+        messages=messages,
         chat_template_kwargs=values.get("chat_template_kwargs", {}),
+        template=_template_options(values, messages),
         echo=values.get("echo", False),
         logprobs=params.logprobs,
         **_common(values, params),
@@ -288,6 +300,27 @@ def _message_text(content: str | list[Any] | None, param: str) -> str:
     return "\n".join(texts)
 
 
+def _template_options(values: dict[str, Any], messages: list[dict[str, Any]]) -> TemplateOptions:
+    """Continuing the last message excludes opening a new one (which is the default), and
+    needs that message to be the assistant's."""
+    options = TemplateOptions(
+        add_generation_prompt=values.get("add_generation_prompt", True),
+        continue_final_message=values.get("continue_final_message", False),
+    )
+    if options.continue_final_message and options.add_generation_prompt:
+        raise ProtocolError(
+            "continue_final_message and add_generation_prompt cannot both be true "
+            "(add_generation_prompt defaults to true: set it to false).",
+            param="continue_final_message",
+        )
+    if options.continue_final_message and messages[-1]["role"] != "assistant":
+        raise ProtocolError(
+            "continue_final_message needs the last message to be the assistant's.",
+            param="continue_final_message",
+        )
+    return options
+
+
 def _chat_logprobs(values: dict[str, Any]) -> int | None:
     """Chat asks with logprobs: bool and top_logprobs: int; the engine with one int."""
     wanted = values.get("logprobs", False)
@@ -315,12 +348,14 @@ def _sampling_params(values: dict[str, Any], route: str, **overrides: Any) -> Sa
 
 @dataclass
 class TokenizeRequest:
-    """A parsed /tokenize body: exactly one of prompt and messages."""
+    """A parsed /tokenize body: exactly one of prompt and messages (with its template
+    options)."""
 
     prompt: str | None
     messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     return_token_strs: bool
+    template: TemplateOptions = field(default_factory=TemplateOptions)
 
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
@@ -328,13 +363,16 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     prompt, messages = values.get("prompt"), values.get("messages")
     if (prompt is None) == (messages is None):
         raise ProtocolError("give either prompt or messages.", param="prompt")
+    template = TemplateOptions()
     if messages is not None:
         messages = _parse_messages(messages)
+        template = _template_options(values, messages)
     return TokenizeRequest(
         prompt=prompt,
         messages=messages,
         add_special_tokens=values.get("add_special_tokens", messages is None),
         return_token_strs=values.get("return_token_strs", False),
+        template=template,
     )
 
 
