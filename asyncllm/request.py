@@ -57,7 +57,6 @@ class Request:
     # tokens found in the prefix cache when first scheduled; -1 until then
     num_cached_tokens: int = -1
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None  # time.monotonic() of the first admission
     stop_reason: int | str | None = None
     # chained hashes of this request's full blocks, filled by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)

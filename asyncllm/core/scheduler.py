@@ -214,8 +214,7 @@ class Scheduler:
         self.waiting.pop()
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
-            request.first_scheduled_time = time.monotonic()
-            step.first_scheduled[request.request_id] = request.first_scheduled_time
+            step.first_scheduled[request.request_id] = time.monotonic()
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -83,7 +83,11 @@ class EngineCore:
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         ids = set(request_ids)
         for source, waiting in list(self._waiting_for_prompt.items()):
-            self._waiting_for_prompt[source] = [r for r in waiting if r.request_id not in ids]
+            kept = [r for r in waiting if r.request_id not in ids]
+            if kept:
+                self._waiting_for_prompt[source] = kept
+            else:
+                del self._waiting_for_prompt[source]
         self.scheduler.finish_requests(request_ids, status)
         self._release_waiting()
 
