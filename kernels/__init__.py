@@ -7,6 +7,7 @@ importable as `kernels` and treats one without a version in its supported range 
 from kernels.activation import silu_and_mul
 from kernels.cache import reshape_and_cache
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.fused_moe import fused_experts
 from kernels.gemv import gemv, rms_norm_gemv, silu_and_mul_gemv
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
@@ -17,6 +18,7 @@ from kernels.sampling import prepare_logits, row_logprobs, sample_masked
 __all__ = [
     "choose_num_splits",
     "fused_add_rms_norm",
+    "fused_experts",
     "gemv",
     "norm_rope_and_cache",
     "paged_decode_attention",

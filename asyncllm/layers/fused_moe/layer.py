@@ -1,0 +1,72 @@
+"""FusedMoE: the routed experts of one layer, their weights stacked [E, ...] for the grouped GEMM.
+
+Under tensor parallelism each rank holds a slice of every expert's inner dimension (the columns
+of gate/up, the rows' inputs of down); its output is then a partial sum that the caller reduces
+across ranks, as after a row-parallel linear layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from asyncllm.layers.fused_moe.routing import RoutingConfig, select_experts
+from asyncllm.layers.fused_moe.torch_experts import torch_experts
+
+# checkpoint names of an expert's three projections -> (stacked parameter, shard)
+EXPERT_SHARDS = {
+    "w1": ("w13_weight", 0),
+    "gate_proj": ("w13_weight", 0),
+    "w3": ("w13_weight", 1),
+    "up_proj": ("w13_weight", 1),
+    "w2": ("w2_weight", None),
+    "down_proj": ("w2_weight", None),
+}
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        routing: RoutingConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if intermediate_size % tp_size:
+            raise ValueError(f"moe intermediate size {intermediate_size} splits over {tp_size}")
+        self.num_experts = num_experts
+        self.routing = routing
+        self.tp_rank = tp_rank
+        self.inner = intermediate_size // tp_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inner, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inner))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.routing)
+        experts = kernels.fused_experts if x.is_cuda else torch_experts
+        return experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: int | None
+    ) -> None:
+        """Copy this rank's slice of one expert's gate (shard 0), up (1) or down (None) weight."""
+        rank_slice = slice(self.tp_rank * self.inner, (self.tp_rank + 1) * self.inner)
+        if shard is None:
+            param.data[expert].copy_(loaded[:, rank_slice])
+            return
+        param.data[expert, shard * self.inner : (shard + 1) * self.inner].copy_(loaded[rank_slice])
+
+    def load_stacked(self, name: str, loaded: torch.Tensor) -> None:
+        """HF transformers' own stacked layout: gate_up_proj [E, 2 * I, H], down_proj [E, H, I]."""
+        if name == "down_proj":
+            for expert in range(self.num_experts):
+                self.weight_loader(self.w2_weight, loaded[expert], expert, None)
+            return
+        gate, up = loaded.chunk(2, dim=1)
+        for expert in range(self.num_experts):
+            self.weight_loader(self.w13_weight, gate[expert], expert, 0)
+            self.weight_loader(self.w13_weight, up[expert], expert, 1)

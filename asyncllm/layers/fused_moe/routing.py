@@ -1,0 +1,41 @@
+"""Which experts each token goes to, and with what weight, as each model's router defines it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    top_k: int
+    scoring: str = "softmax"  # or "sigmoid"
+    renormalize: bool = True  # the top-k weights rescaled to sum to 1
+    num_groups: int = 1  # grouped top-k (DeepSeek): experts in groups, the best topk_groups kept
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+def select_experts(
+    router_logits: torch.Tensor, config: RoutingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router_logits [T, E]."""
+    logits = router_logits.float()
+    scores = logits.softmax(-1) if config.scoring == "softmax" else logits.sigmoid()
+    if config.num_groups > 1:
+        scores = _keep_best_groups(scores, config.num_groups, config.topk_groups)
+    weights, ids = torch.topk(scores, config.top_k, dim=-1)
+    if config.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def _keep_best_groups(scores: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Scores outside the topk_groups groups of highest best-expert score set to 0."""
+    grouped = scores.view(scores.shape[0], num_groups, -1)
+    best = torch.topk(grouped.amax(-1), topk_groups, dim=-1).indices
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], 0.0).view_as(scores)

@@ -1,0 +1,82 @@
+"""The fused MoE kernel against the torch experts on awkward routings.
+
+On CPU under TRITON_INTERPRET=1 (conftest.py) at tiny sizes; with a GPU in bf16 too, at
+model-sized widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm.layers.fused_moe.torch_experts import torch_experts
+from kernels.fused_moe import MoeTileConfig, align_by_expert, default_tile_config, fused_experts
+
+FULL = torch.cuda.is_available()
+DEVICE = "cuda" if FULL else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if FULL else [torch.float32]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# (experts, hidden, inner): inner not a multiple of the tiles, hidden not a power of two
+SHAPE = (8, 4096, 1792) if FULL else (5, 48, 40)
+SMALL_TILES = MoeTileConfig(16, 16, 16, 2, 4, 1)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    num_experts, hidden, inner = SHAPE
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen, device=DEVICE) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inner, generator=gen, device=DEVICE) / inner**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def routing(topk_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(topk_ids, dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    weights = torch.rand(ids.shape, generator=gen, device=DEVICE) + 0.1
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+ROUTINGS = {
+    # expert 4 gets no token, experts 0-3 one pair each
+    "one_token_two_experts": [[0, 1]],
+    "three_tokens_some_experts_idle": [[2, 0], [0, 2], [3, 1]],
+    # expert 1 gets 19 pairs: more than one 16-row tile
+    "one_expert_past_a_block": [[1, (t % 4) * (t % 2 == 0) + (t % 2 == 1) * 3] for t in range(19)],
+    "odd_batch_random": torch.stack(
+        [torch.randperm(5, generator=torch.Generator().manual_seed(t))[:2] for t in range(37)]
+    ).tolist(),
+}
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("tiles", ["small", "default"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) -> None:
+    topk_weights, topk_ids = routing(ROUTINGS[name])
+    w13, w2 = weights(dtype)
+    x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE).to(dtype)
+    config = SMALL_TILES if tiles == "small" else default_tile_config(x.shape[0])
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
+    ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_no_tokens_give_an_empty_output() -> None:
+    w13, w2 = weights(torch.float32)
+    x = torch.zeros(0, SHAPE[1], device=DEVICE)
+    ids = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    assert fused_experts(x, w13, w2, ids.float(), ids).shape == (0, SHAPE[1])
+
+
+def test_alignment_pads_each_expert_to_the_block() -> None:
+    ids = torch.tensor([[2, 0], [0, 2], [3, 0]], dtype=torch.int32, device=DEVICE)
+    aligned = align_by_expert(ids, block_m=4, num_experts=5)
+    assert int(aligned.num_padded) == 12  # experts 0, 2, 3: one 4-row tile each
+    sorted_ids = aligned.sorted_pair_ids.tolist()
+    assert sorted_ids[:4] == [1, 2, 5, 6] and sorted_ids[4:8] == [0, 3, 6, 6]
+    assert sorted_ids[8:12] == [4, 6, 6, 6]
+    assert aligned.block_experts.tolist()[:3] == [0, 2, 3]
