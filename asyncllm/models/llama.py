@@ -87,10 +87,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        qk_norm: bool,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend, qk_norm)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,16 +149,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        qk_norm = config.model_type == "qwen3"
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, qk_norm) for _ in range(config.num_hidden_layers)
+            self.make_layer(config, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(
+        self, config: PretrainedConfig, backend: AttentionBackend, index: int
+    ) -> nn.Module:
+        return DecoderLayer(config, backend, qk_norm=config.model_type == "qwen3")
 
     def forward(
         self,

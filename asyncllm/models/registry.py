@@ -6,12 +6,16 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.mixtral import MixtralForCausalLM
+from asyncllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,92 @@
+"""Mixtral: the Llama attention with a sparse mixture of experts in place of each MLP. The MoE
+block and the expert weight loading here serve Qwen3-MoE and DeepSeek-V2 too."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from asyncllm.attention.backend import AttentionBackend
+from asyncllm.layers.fused_moe import EXPERT_SHARDS, FusedMoE, RoutingConfig
+from asyncllm.layers.linear import Linear
+from asyncllm.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+
+# layers.N.mlp.experts.E.w1.weight (one expert), layers.N.mlp.experts.gate_up_proj (stacked)
+_ONE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
+
+
+class SparseMoeBlock(nn.Module):
+    """The router, the routed experts and (DeepSeek) the shared experts every token goes to."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: RoutingConfig,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, routing)
+        self.shared_experts = (
+            MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.down(self.shared_experts.gate_up_proj(x))
+        return out
+
+
+class MoeDecoderLayer(DecoderLayer):
+    def after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MoE output, residual)"""
+        x = self.self_attn.o_proj(attn_out.flatten(1))
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def load_expert_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacks the experts' tensors into their FusedMoE (adding the parameters to loaded) and
+    passes every other tensor on; names lose their `model.` prefix."""
+    for name, tensor in weights:
+        name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        if match := _ONE_EXPERT.fullmatch(name):
+            module, expert, projection = match.groups()
+            target, shard = EXPERT_SHARDS[projection]
+            experts = model.get_submodule(module)
+            experts.weight_loader(getattr(experts, target), tensor, int(expert), shard)
+        elif match := _STACKED_EXPERTS.fullmatch(name):
+            module, projection = match.groups()
+            model.get_submodule(module).load_stacked(projection, tensor)
+            target = "w2_weight" if projection == "down_proj" else "w13_weight"
+        else:
+            yield name, tensor
+            continue
+        loaded.add(f"{match.group(1)}.{target}")
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    def make_layer(
+        self, config: PretrainedConfig, backend: AttentionBackend, index: int
+    ) -> nn.Module:
+        routing = RoutingConfig(top_k=config.num_experts_per_tok, renormalize=True)
+        moe = SparseMoeBlock(
+            config.hidden_size, config.num_local_experts, config.intermediate_size, routing
+        )
+        return MoeDecoderLayer(config, backend, qk_norm=False, mlp=moe)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        return super().load_weights(load_expert_weights(self, weights, loaded)) | loaded
