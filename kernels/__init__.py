@@ -9,6 +9,7 @@ from kernels.cache import reshape_and_cache
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
 from kernels.fused_moe import fused_experts
 from kernels.gemv import gemv, rms_norm_gemv, silu_and_mul_gemv
+from kernels.mla_decode import paged_mla_decode, write_latent_cache
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.qkv_prep import norm_rope_and_cache
@@ -22,6 +23,7 @@ __all__ = [
     "gemv",
     "norm_rope_and_cache",
     "paged_decode_attention",
+    "paged_mla_decode",
     "paged_prefill_attention",
     "prepare_logits",
     "reshape_and_cache",
@@ -32,4 +34,5 @@ __all__ = [
     "sample_masked",
     "silu_and_mul_gemv",
     "silu_and_mul",
+    "write_latent_cache",
 ]

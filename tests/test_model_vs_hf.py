@@ -53,10 +53,7 @@ def make_pair(name: str) -> tuple[torch.nn.Module, LlamaForCausalLM]:
 
 
 def kv_caches(model: LlamaForCausalLM, num_blocks: int = 64) -> list[torch.Tensor]:
-    num_layers, num_kv_heads, head_dim = model.layer_geometry
-    return [
-        torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim) for _ in range(num_layers)
-    ]
+    return [torch.zeros(spec.shape(num_blocks, BLOCK_SIZE)) for spec in model.kv_cache_specs]
 
 
 def metadata(spans: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMetadata:

@@ -17,7 +17,7 @@ NEW_TOKENS = 10
 
 def save_model(name: str, folder, tokenizer_dir) -> transformers.PreTrainedModel:
     config_class, extra = CONFIGS[name]
-    config = config_class(**{**TINY, "vocab_size": VOCAB}, **extra, bos_token_id=1, eos_token_id=2)
+    config = config_class(**{**TINY, **extra, "vocab_size": VOCAB}, bos_token_id=1, eos_token_id=2)
     config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -26,7 +26,7 @@ def save_model(name: str, folder, tokenizer_dir) -> transformers.PreTrainedModel
     return hf
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_dense_layer"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_dense_layer", "deepseek_v2_grouped_topk"])
 def test_greedy_batch_with_chunks_prefix_hits_and_preemption_equals_hf(
     name: str, default_model_dir, tmp_path
 ) -> None:

@@ -22,6 +22,30 @@ TINY = dict(
     rms_norm_eps=1e-6,
     num_experts_per_tok=2,
 )
+# MLA with odd widths, two shared experts, a dense first layer; HF's DeepSeek needs as many KV
+# heads as heads
+DEEPSEEK = dict(
+    num_key_value_heads=8,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=6,
+    n_shared_experts=2,
+    moe_intermediate_size=24,
+    intermediate_size=80,
+    first_k_dense_replace=1,
+)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+)
 CONFIGS = {
     "mixtral": (
         transformers.MixtralConfig,
@@ -43,12 +67,28 @@ CONFIGS = {
         transformers.Qwen3MoeConfig,
         dict(head_dim=16, moe_intermediate_size=40, num_experts=6, norm_topk_prob=False),
     ),
+    "deepseek_v2_lite_yarn": (
+        transformers.DeepseekV2Config,
+        dict(DEEPSEEK, q_lora_rank=None, rope_parameters=YARN),
+    ),
+    "deepseek_v2_grouped_topk": (
+        transformers.DeepseekV2Config,
+        dict(
+            DEEPSEEK,
+            q_lora_rank=24,
+            topk_method="group_limited_greedy",
+            n_group=3,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8),
+        ),
+    ),
 }
 
 
 def make_pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     config_class, extra = CONFIGS[name]
-    config = config_class(**TINY, **extra)
+    config = config_class(**{**TINY, **extra})
     config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -99,7 +139,7 @@ def test_chunks_prefix_hit_and_decode_match_hf(name: str) -> None:
         torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_dense_layer"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_dense_layer", "deepseek_v2_lite_yarn"])
 def test_checkpoint_experts_stack_at_load(name: str, tmp_path) -> None:
     """A saved checkpoint's per-expert tensors load into the same stacked weights."""
     hf, from_state = make_pair(name)

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.attention.kv_cache_spec import KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,6 @@ class CausalLM(Protocol):
     def piece_shapes(self) -> PieceShapes: ...
 
     @property
-    def layer_geometry(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim): the KV cache's shape."""
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Per layer, what its KV cache holds per token."""
         ...

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.attention.kv_cache_spec import KVCacheSpec
 from asyncllm.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
@@ -84,6 +85,9 @@ class MLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_linear(self.down_proj, gate_up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -208,9 +212,9 @@ class LlamaForCausalLM(nn.Module):
         return PieceShapes(self.config.hidden_size, query=heads, attn_out=heads)
 
     @property
-    def layer_geometry(self) -> tuple[int, int, int]:
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
         attn = self.layers[0].self_attn
-        return len(self.layers), attn.num_kv_heads, attn.head_dim
+        return [KVCacheSpec(2, attn.num_kv_heads, attn.head_dim)] * len(self.layers)
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -41,7 +41,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
         if self.shared_experts is not None:
-            out = out + self.shared_experts.down(self.shared_experts.gate_up_proj(x))
+            out = out + self.shared_experts(x)
         return out
 
 

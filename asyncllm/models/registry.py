@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from asyncllm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 

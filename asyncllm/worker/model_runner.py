@@ -246,9 +246,8 @@ class ModelRunner:
         self.sampling_state.forget(request_ids)
 
     def _bytes_per_block(self) -> int:
-        num_layers, num_kv_heads, head_dim = self.model.layer_geometry
-        element = torch.empty((), dtype=self.config.model.dtype).element_size()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element
+        dtype = self.config.model.dtype
+        return sum(spec.block_bytes(self.block_size, dtype) for spec in self.model.kv_cache_specs)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -268,7 +267,8 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        num_layers, num_kv_heads, head_dim = self.model.layer_geometry
-        shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
         dtype = self.config.model.dtype
-        return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        return [
+            torch.zeros(spec.shape(num_blocks, self.block_size), dtype=dtype, device=self.device)
+            for spec in self.model.kv_cache_specs
+        ]

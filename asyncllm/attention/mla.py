@@ -1,0 +1,202 @@
+"""Multi-head latent attention (DeepSeek-V2) over a paged cache of compressed latents.
+
+Each token's cache entry is one vector per layer, not per head: its latent c (kv_lora_rank
+entries, already normalised) followed by its rotated rope key (qk_rope_head_dim entries); the
+cache is [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim] (KVCacheSpec(1, 1, ...)).
+The up-projection kv_b_proj [H * (nope + v), kv_lora_rank] turns c into each head's key
+(W_UK) and value (W_UV).
+
+Prompt chunks go through the up-projections: keys and values per head for the request's context,
+then attention as usual. Decode absorbs them: q_nope @ W_UK is a query in latent space, scored
+against the latents and rope keys as one shared head (MQA with head dim kv_lora_rank + rope_dim),
+and the latent output goes through W_UV; each step reads only the latents (kernels.mla_decode
+on CUDA). Under CUDA graph capture every row takes the absorbed path: it reads no host metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from asyncllm.attention.backend import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class MLADims:
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    scale: float
+
+
+def write_latent_cache(
+    latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """latent [T, kv_lora_rank + rope_dim] into its slots; slots < 0 are padding and skipped."""
+    if latent.is_cuda:  # the kernel skips padding without a host sync
+        kernels.write_latent_cache(latent, kv_cache, slot_mapping)
+        return
+    valid = slot_mapping >= 0
+    kv_cache[0].view(-1, latent.shape[1]).index_copy_(0, slot_mapping[valid], latent[valid])
+
+
+def row_contexts(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row, its request and how many context positions it sees (causally), on the
+    device: (request int32 [num_rows], length int32 [num_rows]). Padding rows get length 0."""
+    rows = torch.arange(num_rows, device=meta.seq_lens.device, dtype=torch.int32)
+    ends = meta.query_start_loc[1:]
+    request = torch.searchsorted(ends, rows, right=True).clamp_(max=ends.numel() - 1)
+    seq_len = meta.seq_lens.long()[request]
+    length = seq_len - (ends.long()[request] - rows) + 1
+    length = torch.where(length <= seq_len, length, torch.zeros_like(length)).clamp_(min=0)
+    return request.to(torch.int32), length.to(torch.int32)
+
+
+def up_projections(kv_b_weight: torch.Tensor, dims: MLADims) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_UK [H, nope, rank], W_UV [H, v, rank]) as views of kv_b_proj's weight."""
+    per_head = kv_b_weight.view(dims.num_heads, -1, dims.kv_lora_rank)
+    return per_head.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=1)
+
+
+def attend_latent_torch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    request: torch.Tensor,
+    length: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """The reference of kernels.mla_decode: query [T, H, rank + rope] against each row's first
+    length[t] latents of its request's blocks -> [T, H, rank] (zeros where length is 0)."""
+    block_size = kv_cache.shape[2]
+    cache = kv_cache[0, :, :, 0]
+    out = torch.zeros(*query.shape[:2], kv_lora_rank, dtype=query.dtype, device=query.device)
+    for t, (r, n) in enumerate(zip(request.tolist(), length.tolist())):
+        if n == 0:
+            continue
+        latents = cache[block_tables[r, : -(-n // block_size)].long()].flatten(0, 1)[:n]
+        scores = (query[t].float() @ latents.float().T) * scale
+        out[t] = (scores.softmax(-1) @ latents[:, :kv_lora_rank].float()).to(query.dtype)
+    return out
+
+
+def attend_absorbed(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    request: torch.Tensor,
+    length: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    dims: MLADims,
+) -> torch.Tensor:
+    """query [T, H, nope + rope] -> [T, H, v] through the latent space."""
+    q_nope, q_pe = query.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
+    q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+    absorbed = torch.cat([q_latent, q_pe], dim=-1)
+    attend = kernels.paged_mla_decode if query.is_cuda else attend_latent_torch
+    out_latent = attend(
+        absorbed, kv_cache, block_tables, request, length, dims.scale, dims.kv_lora_rank
+    )
+    return torch.einsum("thl,hdl->thd", out_latent, w_uv)
+
+
+def attend_expanded(
+    query: torch.Tensor,
+    latents: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    dims: MLADims,
+) -> torch.Tensor:
+    """One request's prompt rows [Q, H, nope + rope] over its whole context's latents
+    [S, rank + rope], keys and values expanded per head -> [Q, H, v]."""
+    c, k_pe = latents.split([dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
+    k_nope = torch.einsum("sl,hdl->hsd", c, w_uk)
+    value = torch.einsum("sl,hdl->hsd", c, w_uv)
+    key = torch.cat([k_nope, k_pe[None].expand(dims.num_heads, -1, -1)], dim=-1)
+    query_len, seq_len = query.shape[0], latents.shape[0]
+    rows = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+    mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key, value, attn_mask=mask, scale=dims.scale
+    )
+    return out.transpose(0, 1)
+
+
+class MLAttention:
+    """The attention of one MLA layer; the projections around it belong to the model."""
+
+    def __init__(self, dims: MLADims) -> None:
+        self.dims = dims
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_b_weight: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query [T, H, nope + rope] -> [T, H, v], written into out when given."""
+        w_uk, w_uv = up_projections(kv_b_weight, self.dims)
+        if meta.is_pure_decode or _capturing(query):
+            request, length = row_contexts(meta, query.shape[0])
+            result = attend_absorbed(
+                query, kv_cache, meta.block_tables, request, length, w_uk, w_uv, self.dims
+            )
+        else:
+            result = self._mixed(query, kv_cache, meta, w_uk, w_uv)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def _mixed(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prompt chunks expanded one request at a time, decode rows absorbed together."""
+        out = query.new_empty(*query.shape[:2], self.dims.v_head_dim)
+        decode_rows, decode_requests, decode_lengths = [], [], []
+        block_size, start = kv_cache.shape[2], 0
+        for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if query_len == 1:
+                decode_rows.append(start)
+                decode_requests.append(r)
+                decode_lengths.append(seq_len)
+            else:
+                table = meta.block_tables[r, : -(-seq_len // block_size)].long()
+                latents = kv_cache[0, :, :, 0][table].flatten(0, 1)[:seq_len]
+                rows = query[start : start + query_len]
+                out[start : start + query_len] = attend_expanded(
+                    rows, latents, w_uk, w_uv, self.dims
+                )
+            start += query_len
+        if decode_rows:
+            device = query.device
+            rows = torch.tensor(decode_rows, device=device)
+            out[rows] = attend_absorbed(
+                query[rows],
+                kv_cache,
+                meta.block_tables,
+                torch.tensor(decode_requests, dtype=torch.int32, device=device),
+                torch.tensor(decode_lengths, dtype=torch.int32, device=device),
+                w_uk,
+                w_uv,
+                self.dims,
+            )
+        return out
+
+
+def _capturing(query: torch.Tensor) -> bool:
+    return query.is_cuda and torch.cuda.is_current_stream_capturing()
