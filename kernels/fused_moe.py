@@ -48,7 +48,9 @@ def align_by_expert(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> E
     num_pairs = flat.numel()
     max_padded = num_pairs + num_experts * (block_m - 1)
     max_padded = triton.cdiv(max_padded, block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the largest id back to the host (no capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded

@@ -1,16 +1,22 @@
-"""Mixtral and Qwen3-MoE against Hugging Face transformers on random tiny configs (fp32)."""
+"""Mixtral, Qwen3-MoE and DeepSeek-V2 against Hugging Face transformers on random tiny configs
+(fp32): on CPU the torch experts and MLA reference, on a GPU the Triton kernels."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import transformers
-from test_model_vs_hf import kv_caches, metadata
+from test_model_vs_hf import BLOCK_SIZE
+from test_model_vs_hf import metadata as host_metadata
 
+from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.torch_backend import TorchAttentionBackend
 from asyncllm.models.loader import iter_safetensors
 from asyncllm.models.registry import get_model_class
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 211
 TINY = dict(
     vocab_size=VOCAB,
@@ -95,15 +101,35 @@ def make_pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     ours = get_model_class(config)(config, TorchAttentionBackend()).eval()
     loaded = ours.load_weights(hf.state_dict().items())
     assert loaded == {name for name, _ in ours.named_parameters()}
-    return hf, ours
+    return hf.to(DEVICE), ours.to(DEVICE)
+
+
+def kv_caches(model: torch.nn.Module, num_blocks: int = 64) -> list[torch.Tensor]:
+    shapes = [spec.shape(num_blocks, BLOCK_SIZE) for spec in model.kv_cache_specs]
+    return [torch.zeros(shape, device=DEVICE) for shape in shapes]
+
+
+def metadata(spans: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMetadata:
+    meta = host_metadata(spans, tables)
+    on_device = {
+        f.name: getattr(meta, f.name).to(DEVICE)
+        for f in dataclasses.fields(meta)
+        if isinstance(getattr(meta, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(meta, **on_device)
+
+
+def tokens(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts).to(DEVICE)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 @torch.inference_mode()
 def test_prefill_logits_match_hf(name: str) -> None:
     hf, ours = make_pair(name)
-    ids = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(1))
-    hidden = ours(ids, torch.arange(29), kv_caches(ours), metadata([(0, 29)], [list(range(8))]))
+    ids = tokens(torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(1)))
+    meta = metadata([(0, 29)], [list(range(8))])
+    hidden = ours(ids, tokens(torch.arange(29)), kv_caches(ours), meta)
     expected = hf(ids[None]).logits[0]
     torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
 
@@ -119,19 +145,20 @@ def test_chunks_prefix_hit_and_decode_match_hf(name: str) -> None:
     b = torch.cat([a[:8], torch.randint(0, VOCAB, (5,), generator=gen)])
     tables = [[6, 2, 9, 4, 11], [6, 2, 7, 1]]
     caches = kv_caches(ours)
-    ours(a[:11], torch.arange(11), caches, metadata([(0, 11)], tables[:1]))
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    ours(a[:11], tokens(torch.arange(11)), caches, metadata([(0, 11)], tables[:1]))
     meta = metadata([(11, 6), (8, 5)], tables)
     hidden = ours(
-        torch.cat([a[11:], b[8:]]),
-        torch.cat([torch.arange(11, 17), torch.arange(8, 13)]),
+        tokens(a[11:], b[8:]),
+        tokens(torch.arange(11, 17), torch.arange(8, 13)),
         caches,
         meta,
     )
     logits = ours.compute_logits(hidden)
     torch.testing.assert_close(logits[:6], hf(a[None]).logits[0, 11:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[6:], hf(b[None]).logits[0, 8:], rtol=1e-4, atol=1e-4)
-    nxt = torch.tensor([5, 9])
-    hidden = ours(nxt, torch.tensor([17, 13]), caches, metadata([(17, 1), (13, 1)], tables))
+    nxt = tokens(torch.tensor([5, 9]))
+    hidden = ours(nxt, tokens(torch.tensor([17, 13])), caches, metadata([(17, 1), (13, 1)], tables))
     logits = ours.compute_logits(hidden)
     for row, prompt in enumerate([a, b]):
         full = torch.cat([prompt, nxt[row : row + 1]])
@@ -143,8 +170,8 @@ def test_chunks_prefix_hit_and_decode_match_hf(name: str) -> None:
 def test_checkpoint_experts_stack_at_load(name: str, tmp_path) -> None:
     """A saved checkpoint's per-expert tensors load into the same stacked weights."""
     hf, from_state = make_pair(name)
-    hf.save_pretrained(tmp_path)
-    ours = get_model_class(hf.config)(hf.config, TorchAttentionBackend())
+    hf.cpu().save_pretrained(tmp_path)
+    ours = get_model_class(hf.config)(hf.config, TorchAttentionBackend()).to(DEVICE)
     loaded = ours.load_weights(iter_safetensors(tmp_path))
     assert loaded == {n for n, _ in ours.named_parameters()}
     for (n, mine), (_, ref) in zip(ours.named_parameters(), from_state.named_parameters()):
