@@ -18,7 +18,7 @@ from asyncllm.models.registry import get_model_class
 
 def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     model_class = get_model_class(config.hf_config)
-    with torch.device(config.device), _skip_random_init():
+    with torch.device(config.device), _default_dtype(config.dtype), _skip_random_init():
         model = model_class(config.hf_config, backend)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
@@ -31,6 +31,18 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     if config.device.type == "cpu" and config.dtype == torch.float32:
         pack_linear_layers(model)
     return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters made in the model's dtype: built in float32 first, Mixtral-8x7B's 47B weights
+    would need 187 GB of device memory before the cast."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 @contextlib.contextmanager
