@@ -92,13 +92,15 @@ CONFIGS = {
 }
 
 
-def make_pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def make_pair(name: str, max_short_step_tokens: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     config_class, extra = CONFIGS[name]
     config = config_class(**{**TINY, **extra})
     config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    ours = get_model_class(config)(config, TorchAttentionBackend()).eval()
+    backend = TorchAttentionBackend()
+    backend.max_short_step_tokens = max_short_step_tokens
+    ours = get_model_class(config)(config, backend).eval()
     loaded = ours.load_weights(hf.state_dict().items())
     assert loaded == {name for name, _ in ours.named_parameters()}
     return hf.to(DEVICE), ours.to(DEVICE)
@@ -134,12 +136,16 @@ def test_prefill_logits_match_hf(name: str) -> None:
     torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize(
+    "name,max_short_step_tokens",
+    [(name, 0) for name in CONFIGS] + [("deepseek_v2_grouped_topk", 16)],
+)
 @torch.inference_mode()
-def test_chunks_prefix_hit_and_decode_match_hf(name: str) -> None:
+def test_chunks_prefix_hit_and_decode_match_hf(name: str, max_short_step_tokens: int) -> None:
     """Request b reuses a's first two blocks (a prefix hit) while a's prompt arrives in chunks;
-    then both decode in one batch."""
-    hf, ours = make_pair(name)
+    then both decode in one batch. With max_short_step_tokens, MLA attends the short steps'
+    prompt rows in latent space too."""
+    hf, ours = make_pair(name, max_short_step_tokens)
     gen = torch.Generator().manual_seed(2)
     a = torch.randint(0, VOCAB, (17,), generator=gen)
     b = torch.cat([a[:8], torch.randint(0, VOCAB, (5,), generator=gen)])

@@ -10,7 +10,8 @@ Prompt chunks go through the up-projections: keys and values per head for the re
 then attention as usual. Decode absorbs them: q_nope @ W_UK is a query in latent space, scored
 against the latents and rope keys as one shared head (MQA with head dim kv_lora_rank + rope_dim),
 and the latent output goes through W_UV; each step reads only the latents (kernels.mla_decode
-on CUDA). Under CUDA graph capture every row takes the absorbed path: it reads no host metadata.
+on CUDA). Steps of up to max_absorbed_rows rows (the backend's max_short_step_tokens, whose
+steps CUDA graphs capture whole) take the absorbed path for every row: it reads no host metadata.
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def attend_expanded(
 class MLAttention:
     """The attention of one MLA layer; the projections around it belong to the model."""
 
-    def __init__(self, dims: MLADims) -> None:
+    def __init__(self, dims: MLADims, max_absorbed_rows: int = 0) -> None:
         self.dims = dims
+        self.max_absorbed_rows = max_absorbed_rows
 
     def attend(
         self,
@@ -145,7 +147,7 @@ class MLAttention:
     ) -> torch.Tensor:
         """query [T, H, nope + rope] -> [T, H, v], written into out when given."""
         w_uk, w_uv = up_projections(kv_b_weight, self.dims)
-        if meta.is_pure_decode or _capturing(query):
+        if meta.is_pure_decode or query.shape[0] <= self.max_absorbed_rows:
             request, length = row_contexts(meta, query.shape[0])
             result = attend_absorbed(
                 query, kv_cache, meta.block_tables, request, length, w_uk, w_uv, self.dims
@@ -196,7 +198,3 @@ class MLAttention:
                 self.dims,
             )
         return out
-
-
-def _capturing(query: torch.Tensor) -> bool:
-    return query.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -34,7 +34,7 @@ class UpProjection(nn.Module):
 
 
 class MLAProjections(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.dims = mla_dims(config)
@@ -64,7 +64,7 @@ class MLAProjections(nn.Module):
             _rope_scaling(config),
             interleaved=True,
         )
-        self.attn = MLAttention(dims)
+        self.attn = MLAttention(dims, backend.max_short_step_tokens)
 
     def query(self, h: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -107,9 +107,9 @@ def mla_dims(config: PretrainedConfig) -> MLADims:
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, index: int) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
-        self.self_attn = MLAProjections(config)
+        self.self_attn = MLAProjections(config, backend)
         self.mlp = _mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -179,7 +179,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def make_layer(
         self, config: PretrainedConfig, backend: AttentionBackend, index: int
     ) -> nn.Module:
-        return DeepseekV2DecoderLayer(config, index)
+        return DeepseekV2DecoderLayer(config, backend, index)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()

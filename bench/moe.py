@@ -1,0 +1,412 @@
+"""MoE and MLA benchmarks on one GPU, each against a floor measured in the same run.
+
+    python bench/moe.py offline --shape mixtral-8x7b --out bench/results/moe_offline_mixtral_h200.json
+    python bench/moe.py kernels --shape qwen3-30b-a3b --out bench/results/moe_kernels_qwen3_h200.json
+    python bench/moe.py tune --shape deepseek-v2-lite   # writes kernels/fused_moe_configs/*.json
+
+offline: the nano-vllm workload (256 requests, prompt and output lengths uniform in 100-1024,
+random ids, ignore_eos) on a shape's dummy bf16 weights. Floor: prefill FLOPs (2 per active
+weight: attention, the top-k and shared experts, the lm_head; plus attention over the context)
+at the matmul rate, and per decode step the bytes it must read at the copy bandwidth: the
+attention and dense weights, every expert that the step's tokens are expected to route to under
+uniform routing (E * (1 - (1 - k/E)^B) per layer for B tokens) and the live KV (GQA: keys and
+values per head; MLA: one latent + rope key per token). Then batch-1 decode against its
+weight-bandwidth floor (the weights one token reads, its k experts per layer).
+
+kernels: the fused MoE (CUDA-graph timed: the routing alignment and both grouped GEMMs) at
+decode sizes against the copy bandwidth over the experts it reads, at prefill sizes against the
+bf16 matmul rate; the paged MLA decode kernel (DeepSeek shapes) against the copy bandwidth over
+the latent cache it reads.
+
+tune: for each batch size, the fastest tile config of the fused MoE from a small sweep, written
+where kernels.fused_moe.tile_config reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+from triton.testing import do_bench_cudagraph
+
+# run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from asyncllm.layers.fused_moe import RoutingConfig, select_experts  # noqa: E402
+from asyncllm.models.shapes import write_shape  # noqa: E402
+from bench.throughput import (  # noqa: E402
+    copy_bandwidth,
+    make_workload,
+    matmul_rate,
+    run_asyncllm,
+)
+from kernels.fused_moe import (  # noqa: E402
+    CONFIG_DIR,
+    MoeTileConfig,
+    config_file_name,
+    fused_experts,
+    tile_config,
+)
+from kernels.mla_decode import paged_mla_decode  # noqa: E402
+
+MOE_SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"]
+DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64]
+PREFILL_SIZES = [512, 2048, 8192]
+TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+DTYPE = torch.bfloat16
+BYTES = 2
+
+
+# ---- the shapes' arithmetic ----
+
+
+def moe_geometry(c: transformers.PretrainedConfig) -> dict:
+    """Experts per layer, top-k, one expert's weights, and which layers are MoE."""
+    if c.model_type == "mixtral":
+        experts, inner, moe_layers, shared = (
+            c.num_local_experts,
+            c.intermediate_size,
+            c.num_hidden_layers,
+            0,
+        )
+    elif c.model_type == "qwen3_moe":
+        experts, inner, shared = c.num_experts, c.moe_intermediate_size, 0
+        moe_layers = c.num_hidden_layers - len(c.mlp_only_layers or [])
+    else:
+        experts, inner = c.n_routed_experts, c.moe_intermediate_size
+        shared = inner * (c.n_shared_experts or 0)
+        moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    return {
+        "experts": experts,
+        "top_k": c.num_experts_per_tok,
+        "inner": inner,
+        "expert_weights": 3 * c.hidden_size * inner,
+        "moe_layers": moe_layers,
+        "dense_layers": c.num_hidden_layers - moe_layers,
+        "shared_inner": shared,
+    }
+
+
+def attention_weights(c: transformers.PretrainedConfig) -> int:
+    h, heads = c.hidden_size, c.num_attention_heads
+    if c.model_type == "deepseek_v2":
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        q = h * heads * qk if c.q_lora_rank is None else c.q_lora_rank * (h + heads * qk)
+        kv = h * (c.kv_lora_rank + c.qk_rope_head_dim)
+        kv += c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        return q + kv + heads * c.v_head_dim * h
+    kv_heads = c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    return h * head_dim * (2 * heads + 2 * kv_heads)
+
+
+def always_read_weights(c: transformers.PretrainedConfig) -> int:
+    """Weights every step reads whatever the routing: attention, dense MLPs, routers, shared
+    experts, the lm_head (embedding lookups excluded)."""
+    g = moe_geometry(c)
+    h = c.hidden_size
+    dense = g["dense_layers"] * 3 * h * c.intermediate_size
+    per_moe_layer = h * g["experts"] + 3 * h * g["shared_inner"]
+    return (
+        c.num_hidden_layers * attention_weights(c)
+        + dense
+        + g["moe_layers"] * per_moe_layer
+        + h * c.vocab_size
+    )
+
+
+def expected_experts(c: transformers.PretrainedConfig, tokens: int) -> float:
+    """Distinct experts per MoE layer that `tokens` tokens routed uniformly are expected to hit."""
+    g = moe_geometry(c)
+    return g["experts"] * (1 - (1 - g["top_k"] / g["experts"]) ** tokens)
+
+
+def kv_bytes_per_token(c: transformers.PretrainedConfig) -> int:
+    if c.model_type == "deepseek_v2":
+        return c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * BYTES
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * BYTES
+
+
+def attention_flops_per_position(c: transformers.PretrainedConfig) -> int:
+    """FLOPs of one query against one key, all layers and heads (QK^T and PV)."""
+    heads = c.num_attention_heads
+    if c.model_type == "deepseek_v2":
+        per_layer = 2 * heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        per_layer = 4 * heads * head_dim
+    return c.num_hidden_layers * per_layer
+
+
+def active_weights(c: transformers.PretrainedConfig) -> int:
+    g = moe_geometry(c)
+    return always_read_weights(c) + g["moe_layers"] * g["top_k"] * g["expert_weights"]
+
+
+def offline_floor_seconds(c, workload, matmul: float, copy: float) -> dict:
+    g = moe_geometry(c)
+    attention = attention_flops_per_position(c)
+    prefill_flops = sum(
+        2 * active_weights(c) * len(p) + attention * len(p) * (len(p) + 1) / 2 for p, _ in workload
+    )
+    prefill = prefill_flops / matmul
+    decode = 0.0
+    for step in range(max(o for _, o in workload)):
+        live = [len(p) + step for p, o in workload if o > step]
+        experts = g["moe_layers"] * expected_experts(c, len(live)) * g["expert_weights"]
+        decode += (
+            (always_read_weights(c) + experts) * BYTES + kv_bytes_per_token(c) * sum(live)
+        ) / copy
+    return {"prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode}
+
+
+# ---- runs ----
+
+
+def shape_config(shape: str) -> tuple[Path, transformers.PretrainedConfig]:
+    path = write_shape(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")))
+    return path, transformers.AutoConfig.from_pretrained(path)
+
+
+def offline(args) -> dict:
+    path, config = shape_config(args.shape)
+    workload = make_workload(256, 100, 1024, config.vocab_size, 0)
+    device = torch.device("cuda")
+    rates = {
+        "matmul_flops_per_s": matmul_rate(device, DTYPE),
+        "copy_bytes_per_s": copy_bandwidth(device),
+    }
+    floor = offline_floor_seconds(
+        config, workload, rates["matmul_flops_per_s"], rates["copy_bytes_per_s"]
+    )
+    output_tokens = sum(o for _, o in workload)
+    run_args = argparse.Namespace(
+        load_format="dummy",
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        long_prefill_token_threshold=0,
+        enforce_eager=False,
+        async_scheduling=None,
+        profile_steps=False,
+        single_stream=True,
+    )
+    ours = run_asyncllm(str(path), workload, run_args)
+    floor_tokens_per_s = output_tokens / floor["total_s"]
+    batch1_bytes = active_weights(config) * BYTES
+    result = {
+        "floor": floor,
+        "floor_output_tokens_per_s": floor_tokens_per_s,
+        "asyncllm": ours,
+        "fraction_of_floor": ours["output_tokens_per_s"] / floor_tokens_per_s,
+        "single_stream_floor_tokens_per_s": rates["copy_bytes_per_s"] / batch1_bytes,
+        "single_stream_fraction_of_floor": ours["single_stream"]["decode_tokens_per_s"]
+        * batch1_bytes
+        / rates["copy_bytes_per_s"],
+        "workload": {
+            "num_requests": 256,
+            "min_len": 100,
+            "max_len": 1024,
+            "prompt_tokens": sum(len(p) for p, _ in workload),
+            "output_tokens": output_tokens,
+        },
+        "weights": {
+            "active_per_token": active_weights(config),
+            "always_read": always_read_weights(config),
+        },
+    }
+    print(
+        f"{args.shape}: {ours['output_tokens_per_s']:.0f} output tokens/s, floor {floor_tokens_per_s:.0f} "
+        f"({result['fraction_of_floor']:.0%}); batch 1 {ours['single_stream']['decode_tokens_per_s']:.1f} "
+        f"tokens/s, floor {result['single_stream_floor_tokens_per_s']:.1f} "
+        f"({result['single_stream_fraction_of_floor']:.0%})"
+    )
+    return {"rates": rates, **result}
+
+
+def expert_weights(config) -> tuple[torch.Tensor, torch.Tensor, RoutingConfig]:
+    g = moe_geometry(config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(
+        g["experts"], 2 * g["inner"], config.hidden_size, generator=gen, device="cuda", dtype=DTYPE
+    )
+    w2 = torch.randn(
+        g["experts"], config.hidden_size, g["inner"], generator=gen, device="cuda", dtype=DTYPE
+    )
+    return w13 * 0.02, w2 * 0.02, RoutingConfig(top_k=g["top_k"])
+
+
+def routed(config, tokens: int, routing: RoutingConfig) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, config.hidden_size, generator=gen, device="cuda", dtype=DTYPE)
+    logits = torch.randn(tokens, moe_geometry(config)["experts"], generator=gen, device="cuda")
+    return (x, *select_experts(logits, routing))
+
+
+def time_call(fn, *args) -> float:
+    """Seconds per call of fn(*args), replayed in a CUDA graph (the way the engine runs it)."""
+    return do_bench_cudagraph(lambda: fn(*args), rep=50) / 1e3
+
+
+def time_moe(w13, w2, x, weights, ids, tiles: MoeTileConfig | None = None) -> float:
+    return time_call(fused_experts, x, w13, w2, weights, ids, tiles)
+
+
+def moe_kernel(config, rates: dict) -> list[dict]:
+    w13, w2, routing = expert_weights(config)
+    g = moe_geometry(config)
+    rows = []
+    for tokens in DECODE_SIZES + PREFILL_SIZES:
+        x, weights, ids = routed(config, tokens, routing)
+        seconds = time_moe(w13, w2, x, weights, ids)
+        experts_read = int(torch.unique(ids).numel())
+        weight_bytes = experts_read * g["expert_weights"] * BYTES
+        flops = 2 * tokens * g["top_k"] * g["expert_weights"]
+        row = {"tokens": tokens, "seconds": seconds, "experts_read": experts_read}
+        if tokens in DECODE_SIZES:
+            row["fraction_of_copy_bandwidth"] = weight_bytes / seconds / rates["copy_bytes_per_s"]
+        else:
+            row["fraction_of_matmul_rate"] = flops / seconds / rates["matmul_flops_per_s"]
+        row["config"] = tile_config(
+            g["experts"], g["inner"], config.hidden_size, tokens, x.device
+        ).__dict__
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
+def mla_kernel(config, rates: dict) -> list[dict]:
+    rank, rope, heads = config.kv_lora_rank, config.qk_rope_head_dim, config.num_attention_heads
+    block_size, rows = 16, []
+    for batch, context in [(1, 4096), (8, 4096), (32, 2048), (64, 1024), (128, 1024), (256, 512)]:
+        blocks_per_seq = context // block_size
+        cache = torch.randn(
+            1, batch * blocks_per_seq, block_size, 1, rank + rope, device="cuda", dtype=DTYPE
+        )
+        tables = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32).view(
+            batch, -1
+        )
+        query = torch.randn(batch, heads, rank + rope, device="cuda", dtype=DTYPE)
+        request = torch.arange(batch, device="cuda", dtype=torch.int32)
+        length = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        scale = (config.qk_nope_head_dim + rope) ** -0.5
+        seconds = time_call(paged_mla_decode, query, cache, tables, request, length, scale, rank)
+        read = batch * context * (rank + rope) * BYTES + 2 * query.numel() * BYTES
+        row = {
+            "batch": batch,
+            "context": context,
+            "seconds": seconds,
+            "fraction_of_copy_bandwidth": read / seconds / rates["copy_bytes_per_s"],
+        }
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
+def kernels_run(args) -> dict:
+    _, config = shape_config(args.shape)
+    device = torch.device("cuda")
+    rates = {
+        "matmul_flops_per_s": matmul_rate(device, DTYPE),
+        "copy_bytes_per_s": copy_bandwidth(device),
+    }
+    result = {"rates": rates, "fused_moe": moe_kernel(config, rates)}
+    if config.model_type == "deepseek_v2":
+        result["mla_decode"] = mla_kernel(config, rates)
+    return result
+
+
+def tune_candidates(tokens: int) -> list[MoeTileConfig]:
+    if tokens <= 64:
+        grid = [(16, n, k, 1, 4, s) for n in (64, 128) for k in (64, 128, 256) for s in (3, 4)]
+    elif tokens <= 512:
+        grid = [
+            (m, n, k, 8, w, 3)
+            for m in (32, 64)
+            for n in (64, 128)
+            for k in (64, 128)
+            for w in (4, 8)
+        ]
+    else:
+        grid = [
+            (m, n, 64, 8, w, s)
+            for m in (64, 128)
+            for n in (128, 256)
+            for w in (4, 8)
+            for s in (3, 4)
+        ]
+    return [MoeTileConfig(*c) for c in grid]
+
+
+def tune(args) -> dict:
+    _, config = shape_config(args.shape)
+    w13, w2, routing = expert_weights(config)
+    g = moe_geometry(config)
+    best: dict[int, dict] = {}
+    for tokens in args.batch_sizes or TUNE_SIZES:
+        x, weights, ids = routed(config, tokens, routing)
+        timed = []
+        for tiles in tune_candidates(tokens):
+            try:
+                timed.append((time_moe(w13, w2, x, weights, ids, tiles), tiles))
+            except triton.runtime.errors.OutOfResources:
+                continue
+        seconds, tiles = min(timed, key=lambda t: t[0])
+        best[tokens] = tiles.__dict__
+        print(f"{tokens} tokens: {seconds * 1e6:.1f} us with {tiles}")
+    name = config_file_name(
+        g["experts"], g["inner"], config.hidden_size, torch.cuda.get_device_name().replace(" ", "_")
+    )
+    path = CONFIG_DIR / name
+    CONFIG_DIR.mkdir(exist_ok=True)
+    existing = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(
+        json.dumps({**existing, **{str(m): c for m, c in best.items()}}, indent=2, sort_keys=True)
+        + "\n"
+    )
+    print(f"wrote {path}")
+    return {"configs": best, "file": str(path)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("what", choices=["offline", "kernels", "tune"])
+    parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
+    parser.add_argument("--batch-sizes", type=int, nargs="*", help="tune: these sizes only")
+    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    args = parser.parse_args()
+    run = {"offline": offline, "kernels": kernels_run, "tune": tune}[args.what]
+    result = {
+        "benchmark": f"moe_{args.what}",
+        "shape": args.shape,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        **run(args),
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
