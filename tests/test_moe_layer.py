@@ -1,0 +1,53 @@
+"""Routing as each model defines it, and the experts' inner dimension split across ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.layers.fused_moe import FusedMoE, RoutingConfig, select_experts
+
+
+def test_renormalised_top_k_weights_sum_to_one() -> None:
+    logits = torch.randn(7, 8, generator=torch.Generator().manual_seed(0))
+    weights, ids = select_experts(logits, RoutingConfig(top_k=3))
+    assert torch.allclose(weights.sum(-1), torch.ones(7))
+    assert torch.equal(ids.long(), logits.topk(3).indices)
+
+
+def test_sigmoid_scores_with_routing_scale() -> None:
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    config = RoutingConfig(top_k=2, scoring="sigmoid", renormalize=False, routed_scaling_factor=2.5)
+    weights, _ = select_experts(logits, config)
+    assert torch.allclose(weights, logits.sigmoid().topk(2).values * 2.5)
+
+
+def test_grouped_top_k_keeps_experts_of_the_best_groups_only() -> None:
+    # 3 groups of 2 experts; the best experts are 0 (group 0) and 5 (group 2), group 1 is second
+    logits = torch.tensor([[9.0, -9.0, 5.0, 4.0, -8.0, 8.0]])
+    config = RoutingConfig(top_k=3, renormalize=False, num_groups=3, topk_groups=2)
+    _, ids = select_experts(logits, config)
+    assert set(ids[0].tolist()) == {0, 5, 4}  # not 2 or 3: group 1 lost to group 2's expert 5
+
+
+def test_ranks_split_the_inner_dimension_and_their_outputs_sum_to_the_whole() -> None:
+    gen = torch.Generator().manual_seed(2)
+    num_experts, hidden, inner = 4, 16, 12
+    gate = torch.randn(num_experts, inner, hidden, generator=gen)
+    up = torch.randn(num_experts, inner, hidden, generator=gen)
+    down = torch.randn(num_experts, hidden, inner, generator=gen)
+    x = torch.randn(5, hidden, generator=gen)
+    logits = torch.randn(5, num_experts, generator=gen)
+
+    def layer(rank: int, size: int) -> FusedMoE:
+        moe = FusedMoE(num_experts, hidden, inner, RoutingConfig(top_k=2), rank, size)
+        for e in range(num_experts):
+            moe.weight_loader(moe.w13_weight, gate[e], e, 0)
+            moe.weight_loader(moe.w13_weight, up[e], e, 1)
+            moe.weight_loader(moe.w2_weight, down[e], e, None)
+        return moe
+
+    with torch.no_grad():
+        whole = layer(0, 1)(x, logits)
+        parts = [layer(rank, 2)(x, logits) for rank in range(2)]
+    assert layer(1, 2).w13_weight.shape == (num_experts, inner, hidden)
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
