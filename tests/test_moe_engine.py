@@ -26,9 +26,17 @@ def save_model(name: str, folder, tokenizer_dir) -> transformers.PreTrainedModel
     return hf
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_dense_layer", "deepseek_v2_grouped_topk"])
+@pytest.mark.parametrize(
+    "name,async_scheduling",
+    [
+        ("mixtral", False),
+        ("qwen3_moe_dense_layer", True),
+        ("deepseek_v2_grouped_topk", False),
+        ("deepseek_v2_grouped_topk", True),
+    ],
+)
 def test_greedy_batch_with_chunks_prefix_hits_and_preemption_equals_hf(
-    name: str, default_model_dir, tmp_path
+    name: str, async_scheduling: bool, default_model_dir, tmp_path
 ) -> None:
     hf = save_model(name, tmp_path, default_model_dir)
     gen = torch.Generator().manual_seed(3)
@@ -42,6 +50,7 @@ def test_greedy_batch_with_chunks_prefix_hits_and_preemption_equals_hf(
         max_num_batched_tokens=24,
         num_kv_blocks=18,
         block_size=4,
+        async_scheduling=async_scheduling,
     )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
