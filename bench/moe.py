@@ -328,7 +328,7 @@ def kernels_run(args) -> dict:
 
 def tune_candidates(tokens: int) -> list[MoeTileConfig]:
     if tokens <= 64:
-        grid = [(16, n, k, 1, 4, s) for n in (64, 128) for k in (64, 128, 256) for s in (3, 4)]
+        grid = [(16, n, k, 1, 4, s) for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
     elif tokens <= 512:
         grid = [
             (m, n, k, 8, w, 3)
