@@ -168,7 +168,7 @@ class MLAttention:
         w_uv: torch.Tensor,
     ) -> torch.Tensor:
         """Prompt chunks expanded one request at a time, decode rows absorbed together."""
-        out = query.new_empty(*query.shape[:2], self.dims.v_head_dim)
+        out = query.new_zeros(*query.shape[:2], self.dims.v_head_dim)  # padding rows too
         decode_rows, decode_requests, decode_lengths = [], [], []
         block_size, start = kv_cache.shape[2], 0
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
