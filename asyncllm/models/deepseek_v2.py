@@ -34,7 +34,9 @@ class UpProjection(nn.Module):
 
 
 class MLAProjections(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: PretrainedConfig, backend: AttentionBackend, rotary: RotaryEmbedding
+    ) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.dims = mla_dims(config)
@@ -54,16 +56,7 @@ class MLAProjections(nn.Module):
             dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim)
         )
         self.o_proj = Linear(heads * dims.v_head_dim, hidden, bias=bias)
-        theta = getattr(config, "rope_theta", None) or _rope_parameters(config).get(
-            "rope_theta", 10000.0
-        )
-        self.rotary = RotaryEmbedding(
-            dims.qk_rope_head_dim,
-            config.max_position_embeddings,
-            theta,
-            _rope_scaling(config),
-            interleaved=True,
-        )
+        self.rotary = rotary
         self.attn = MLAttention(dims, backend.max_short_step_tokens)
 
     def query(self, h: torch.Tensor) -> torch.Tensor:
@@ -91,6 +84,19 @@ class MLAProjections(nn.Module):
         return torch.cat([q_nope, q_pe], dim=-1)
 
 
+def mla_rotary(config: PretrainedConfig) -> RotaryEmbedding:
+    theta = getattr(config, "rope_theta", None) or _rope_parameters(config).get(
+        "rope_theta", 10000.0
+    )
+    return RotaryEmbedding(
+        config.qk_rope_head_dim,
+        config.max_position_embeddings,
+        theta,
+        _rope_scaling(config),
+        interleaved=True,
+    )
+
+
 def mla_dims(config: PretrainedConfig) -> MLADims:
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     scaling = _rope_scaling(config)
@@ -107,9 +113,15 @@ def mla_dims(config: PretrainedConfig) -> MLADims:
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, index: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        index: int,
+    ) -> None:
         super().__init__()
-        self.self_attn = MLAProjections(config, backend)
+        self.self_attn = MLAProjections(config, backend, rotary)
         self.mlp = _mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -179,7 +191,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def make_layer(
         self, config: PretrainedConfig, backend: AttentionBackend, index: int
     ) -> nn.Module:
-        return DeepseekV2DecoderLayer(config, backend, index)
+        # one cos/sin cache for every layer: V2-Lite's is 163,840 positions x 64
+        if index == 0:
+            self.rotary = mla_rotary(config)
+        return DeepseekV2DecoderLayer(config, backend, self.rotary, index)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
