@@ -5,6 +5,8 @@ model-sized widths."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -80,3 +82,20 @@ def test_alignment_pads_each_expert_to_the_block() -> None:
     assert sorted_ids[:4] == [1, 2, 5, 6] and sorted_ids[4:8] == [0, 3, 6, 6]
     assert sorted_ids[8:12] == [4, 6, 6, 6]
     assert aligned.block_experts.tolist()[:3] == [0, 2, 3]
+
+
+def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatch) -> None:
+    import kernels.fused_moe as fused_moe
+
+    table = {"1": SMALL_TILES.__dict__, "64": MoeTileConfig(32, 64, 64, 8, 4, 3).__dict__}
+    name = fused_moe.config_file_name(8, 1792, 4096, "cpu")
+    (tmp_path / name).write_text(json.dumps(table))
+    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
+    fused_moe._config_table.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert fused_moe.tile_config(8, 1792, 4096, 3, cpu) == SMALL_TILES
+        assert fused_moe.tile_config(8, 1792, 4096, 50, cpu).block_m == 32
+        assert fused_moe.tile_config(8, 1024, 4096, 3, cpu) == default_tile_config(3)
+    finally:
+        fused_moe._config_table.cache_clear()
