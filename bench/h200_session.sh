@@ -10,6 +10,9 @@
 #                                         tree (DIR: `git archive REV | tar -x -C DIR` into an
 #                                         untracked folder) and of this one, alternating twice
 #   bench/h200_session.sh serving_ab OUT DIR  the serving script on DIR's tree, then on this one
+#   bench/h200_session.sh moe OUT         MoE/MLA GPU tests, fused-MoE tile sweep at decode sizes,
+#                                         and kernel figures per shape
+#   bench/h200_session.sh moe_offline OUT  the offline workload per MoE/MLA shape
 # Wheels the GPU image lacks (orjson, gguf) travel in .whl/; serving needs the SmolLM2 tokenizer
 # files in .tok/ (the serving benchmark times text). The device returns at most 8 files from its
 # OUT: give these a folder and tar it into OUT.
@@ -65,6 +68,24 @@ pdl)
       --out "$out/profile_decode_pdl${pdl}_h200.json" | tail -3
     ASYNCLLM_PDL=$pdl python3 bench/throughput.py --shape qwen3-0.6b "${workload[@]}" \
       --num-requests 16 --single-stream --no-peer --out "$out/batch1_pdl${pdl}_h200.json" | tail -2
+  done
+  ;;
+moe)
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels.py \
+    tests/test_mla_kernels.py tests/test_mla_rope.py tests/test_moe_layer.py tests/test_moe_models.py \
+    tests/test_moe_engine.py tests/test_gpu_engine.py -k "not equals_hf" > "$out/gpu_tests_moe_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_moe_h200.txt"
+  for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do
+    timeout 50 python3 bench/moe.py tune --shape $shape --batch-sizes 1 8 64 512 4096 | tail -2
+  done
+  mkdir -p "$out/fused_moe_configs" && cp kernels/fused_moe_configs/*.json "$out/fused_moe_configs/"
+  for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do
+    timeout 50 python3 bench/moe.py kernels --shape $shape --out "$out/moe_kernels_${shape}_h200.json" | tail -3
+  done
+  ;;
+moe_offline)
+  for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do
+    timeout 170 python3 bench/moe.py offline --shape $shape --out "$out/moe_offline_${shape}_h200.json" | tail -3
   done
   ;;
 offline_ab)
