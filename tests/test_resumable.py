@@ -232,3 +232,22 @@ async def receive_until_done(ws) -> list[dict]:
     while frames[-1]["type"] != "done":
         frames.append(await ws.receive_json(timeout=20))
     return frames
+
+
+async def test_cancelling_a_resumable_websocket_request_ends_it_at_once(server, proxy) -> None:  # noqa: F811
+    body = {"prompt": "go", "max_tokens": 440, "ignore_eos": True}
+    body["stream_options"] = {"resumable": True}
+    async with aiohttp.ClientSession() as session:
+        idle = await until_idle(session, server.url)
+        async with session.ws_connect(f"{proxy}/v1/stream") as ws:
+            await ws.send_json({"id": "c", "body": body})
+            first = await ws.receive_json(timeout=20)
+            await ws.send_json({"type": "cancel", "id": "c"})
+            frames = await receive_until_done(ws)
+        after = await until_idle(session, server.url, timeout=RETENTION_S / 2)
+        async with session.get(f"{proxy}/v1/streams/{first['data']['id']}") as kept:
+            replayed = await read_events(kept)
+    assert frames[-1] == {"type": "done", "id": "c", "cancelled": True}
+    assert after["asyncllm:num_requests_running"] == 0  # well before the retention ran out
+    assert after["asyncllm:kv_cache_usage_perc"] == idle["asyncllm:kv_cache_usage_perc"]
+    assert 0 < len(replayed) < body["max_tokens"]  # what it sent before the cancel stays readable
