@@ -20,6 +20,7 @@ from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.engine.heap import freeze_startup_objects
 from asyncllm.server.app import STATE, AccessLogger, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
+from asyncllm.server.response_store import ResponseStoreError, open_response_store
 
 logger = logging.getLogger("asyncllm.serve")
 _FAREWELL_S = 2.0  # after the shutdown timeout: time for the streams to send their error event
@@ -77,6 +78,25 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=defaults.shutdown_timeout,
         help="seconds in-flight streams get to finish after SIGTERM",
     )
+    server.add_argument(
+        "--stream-retention",
+        type=float,
+        default=defaults.stream_retention,
+        help="seconds a resumable stream keeps generating with nobody reading, and is kept "
+        "for GET /v1/streams/{id} once finished",
+    )
+    server.add_argument(
+        "--stream-buffer-bytes",
+        type=int,
+        default=defaults.stream_buffer_bytes,
+        help="bytes of events all resumable streams may hold",
+    )
+    server.add_argument(
+        "--response-store",
+        default=None,
+        help="where the Responses API stores responses: sqlite:///PATH (default: "
+        "responses.sqlite3 in the cache folder, $ASYNCLLM_CACHE_DIR or ~/.cache/asyncllm)",
+    )
     _add_engine_args(parser.add_argument_group("engine"))
     return parser
 
@@ -109,11 +129,15 @@ def configure_logging() -> None:
 
 async def serve(namespace: argparse.Namespace) -> None:
     server_args = ServerArgs.from_namespace(namespace)
+    try:  # before the model loads: a store that cannot be written fails at once
+        store = open_response_store(server_args.response_store)
+    except ResponseStoreError as e:
+        raise SystemExit(f"asyncllm: {e}") from e
     loop = asyncio.get_running_loop()
     engine_args = engine_args_from(namespace)
     logger.info("loading the model: %s", engine_args.model or "the default model")
     engine = await loop.run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
-    app = build_app(engine, server_args)
+    app = build_app(engine, server_args, store)
     freeze_startup_objects()
     runner = web.AppRunner(
         app,

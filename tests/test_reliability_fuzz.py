@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -351,10 +352,13 @@ def test_openapi_describes_every_route(spec, connection) -> None:
     assert spec["openapi"].startswith("3.")
     for path, operations in spec["paths"].items():
         for method in operations:
-            connection.request(method.upper(), path, b"{}" if method == "post" else None)
+            concrete = re.sub(r"\{\w+\}", "unknown-id", path)
+            connection.request(method.upper(), concrete, b"{}" if method == "post" else None)
             response = connection.getresponse()
-            response.read()
-            assert response.status != 404, (method, path)
+            raw = response.read()
+            # a templated path's route answers 404 of its own for an id it does not know
+            known_route = response.status != 404 or (concrete != path and b"_not_found" in raw)
+            assert known_route, (method, path)
 
 
 @settings(FUZZ, max_examples=EXAMPLES * 2 // 3)

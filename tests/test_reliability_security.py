@@ -19,7 +19,7 @@ from asyncllm.server import ServerArgs
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 KEY = "k3y-under-test"
-OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json", "/"}  # the chat page asks for the key
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

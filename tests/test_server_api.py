@@ -10,7 +10,13 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from test_server_support import ServerProcess, parse_metrics, parse_sse, tiny_server_args
+from test_server_support import (
+    ServerProcess,
+    parse_metrics,
+    parse_sse,
+    sse_fields,
+    tiny_server_args,
+)
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
 JSON = {"Content-Type": "application/json"}
@@ -509,8 +515,11 @@ async def test_sse_wire_format_and_headers(server) -> None:
     assert headers["Content-Type"].startswith("text/event-stream")
     assert headers["Cache-Control"] == "no-cache" and headers["X-Accel-Buffering"] == "no"
     assert "X-Request-Id" in headers
-    assert raw.endswith(b"data: [DONE]\n\n")
     events = parse_sse(raw)
+    assert raw.endswith(b"data: [DONE]\nid: %d\n\n" % (len(events) - 1))  # every event numbered
+    blocks = [b for b in raw.decode().split("\n\n") if b and not b.startswith(":")]
+    ids = [sse_fields(block).get("id") for block in blocks]
+    assert ids == [str(i) for i in range(len(events))]
     assert events[-1] == "[DONE]"
     assert events[0]["choices"][0]["text"].startswith("hi")  # echo
     assert events[-2]["choices"][0]["finish_reason"] == "length"

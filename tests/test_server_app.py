@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import aiohttp
+import orjson
 import pytest
 import pytest_asyncio
 from test_server_support import parse_sse, serving
@@ -15,6 +16,7 @@ from asyncllm import AsyncLLM, EngineArgs
 from asyncllm.server import build_app
 from asyncllm.server.app import STATE
 from asyncllm.server.openai_routes import OpenAIRoutes
+from asyncllm.server.streaming import DONE
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -69,13 +71,14 @@ async def test_keepalive_comments_while_a_request_waits_in_the_queue(engine, mon
 async def test_a_slow_reader_gets_merged_deltas_while_the_engine_runs_on(engine) -> None:
     body = {"prompt": "x", "max_tokens": 30, **STREAM}
     async with serving(engine) as (url, app), aiohttp.ClientSession() as session:
-        chunks = OpenAIRoutes(app[STATE]).open_stream("completions", body)
-        first = await anext(chunks)
+        _, events = OpenAIRoutes(app[STATE]).open_stream("completions", body)
+        first = await anext(events)
         deadline = time.monotonic() + 10
         while engine.core_client.core.scheduler.has_unfinished_requests():  # nobody reads meanwhile
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        rest = [chunk async for chunk in chunks]
+        rest = [orjson.loads(event.data) async for _, event in events if event != DONE]
+        first = orjson.loads(first[1].data)
         whole = {**body, "stream": False}
         async with session.post(f"{url}/v1/completions", json=whole) as response:
             expected = (await response.json())["choices"][0]["text"]

@@ -76,10 +76,15 @@ def parse_sse(raw: bytes) -> list[dict | str]:
     """`data:` events of an SSE body: decoded chunk objects, and "[DONE]" as a string."""
     events = []
     for block in raw.decode().split("\n\n"):
-        if block.startswith("data: "):
-            payload = block[len("data: ") :]
+        payload = sse_fields(block).get("data")
+        if payload is not None:
             events.append(payload if payload == "[DONE]" else orjson.loads(payload))
     return events
+
+
+def sse_fields(block: str) -> dict[str, str]:
+    """The fields of one SSE event (data, id, event)."""
+    return dict(line.partition(": ")[::2] for line in block.split("\n") if line)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

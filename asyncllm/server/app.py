@@ -6,6 +6,7 @@ import hmac
 import importlib.metadata
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -18,16 +19,21 @@ from asyncllm.server.args import ServerArgs
 from asyncllm.server.openai_routes import OpenAIRoutes
 from asyncllm.server.openapi import openapi_spec
 from asyncllm.server.protocol import ProtocolError, overloaded
+from asyncllm.server.response_store import ResponseStore, open_response_store
+from asyncllm.server.responses_api import ResponsesRoutes
 from asyncllm.server.state import REQUEST_ID, RESPONSE_ID, STATE, ServerState
 from asyncllm.server.streaming import error_for, error_response, json_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(engine: AsyncLLM, args: ServerArgs | Any = None) -> web.Application:
+def build_app(
+    engine: AsyncLLM, args: ServerArgs | Any = None, store: ResponseStore | None = None
+) -> web.Application:
     if not isinstance(args, ServerArgs):
         args = ServerArgs() if args is None else ServerArgs.from_namespace(args)
     state = ServerState(engine, args)
+    store = store or open_response_store(args.response_store)
     prefix = "/" + args.root_path.strip("/") if args.root_path.strip("/") else ""
     # under a root path the routes are served without it too, for proxies that strip it
     prefixes = dict.fromkeys([prefix, ""])
@@ -38,12 +44,20 @@ def build_app(engine: AsyncLLM, args: ServerArgs | Any = None) -> web.Applicatio
     )
     app[STATE] = state
     app.on_response_prepare.append(_add_request_id_header)
+    app.on_cleanup.append(lambda _: _close(state, store))
     routes = OpenAIRoutes(state)
+    responses = ResponsesRoutes(routes, store)
     openapi = _openapi_handler(prefix)
+    chat_page = _chat_page_handler()
     for p in prefixes:
         app.router.add_post(f"{p}/v1/completions", routes.completions)
         app.router.add_post(f"{p}/v1/chat/completions", routes.chat_completions)
         app.router.add_get(f"{p}/v1/stream", routes.websocket)
+        app.router.add_get(f"{p}/v1/streams/{{stream_id}}", routes.resume)
+        app.router.add_post(f"{p}/v1/responses", responses.create)
+        app.router.add_get(f"{p}/v1/responses/{{response_id}}", responses.retrieve)
+        app.router.add_delete(f"{p}/v1/responses/{{response_id}}", responses.delete)
+        app.router.add_post(f"{p}/v1/responses/{{response_id}}/cancel", responses.cancel)
         app.router.add_get(f"{p}/v1/models", routes.models)
         app.router.add_post(f"{p}/tokenize", routes.tokenize)
         app.router.add_post(f"{p}/detokenize", routes.detokenize)
@@ -51,10 +65,22 @@ def build_app(engine: AsyncLLM, args: ServerArgs | Any = None) -> web.Applicatio
         app.router.add_get(f"{p}/metrics", _metrics)
         app.router.add_get(f"{p}/version", _version)
         app.router.add_get(f"{p}/openapi.json", openapi)
+        app.router.add_get(f"{p}/", chat_page)
     return app
 
 
-_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key asked
+async def _close(state: ServerState, store: ResponseStore) -> None:
+    await state.streams.close()  # background responses are stored as cancelled
+    store.close()
+
+
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/")  # no API key asked (the page asks)
+# the chat page's own: scripts and styles inline, connections only to this server
+_CHAT_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+    "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self'",
+    "Cache-Control": "no-cache",
+}
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -83,6 +109,15 @@ def _openapi_handler(prefix: str) -> Handler:
         return web.Response(body=spec, content_type="application/json")
 
     return openapi
+
+
+def _chat_page_handler() -> Handler:
+    page = (Path(__file__).parent / "static" / "index.html").read_bytes()
+
+    async def chat_page(request: web.Request) -> web.Response:
+        return web.Response(body=page, content_type="text/html", headers=_CHAT_PAGE_HEADERS)
+
+    return chat_page
 
 
 def _package_version() -> str:
@@ -124,6 +159,8 @@ def _auth_middleware(api_key: str | None, open_paths: set[str]):
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if api_key and request.path not in open_paths:
             given = request.headers.get("Authorization", "").encode()
+            if "api_key" in request.query and _is_websocket(request):  # browsers set no header
+                given = f"Bearer {request.query['api_key']}".encode()
             if not hmac.compare_digest(given, expected):
                 raise ProtocolError(
                     "invalid or missing API key (expected Authorization: Bearer <key>).",
@@ -133,6 +170,10 @@ def _auth_middleware(api_key: str | None, open_paths: set[str]):
         return await handler(request)
 
     return auth
+
+
+def _is_websocket(request: web.Request) -> bool:
+    return request.headers.get("Upgrade", "").lower() == "websocket"
 
 
 class AccessLogger(AbstractAccessLogger):

@@ -21,6 +21,9 @@ class ServerArgs:
     trust_request_chat_template: bool = False  # accept chat_template in chat_template_kwargs
     keepalive_interval: float = 5.0  # seconds of silence before a `: keep-alive` comment
     shutdown_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
+    stream_retention: float = 300.0  # seconds a resumable stream outlives its last reader
+    stream_buffer_bytes: int = 256 * 1024 * 1024  # events all resumable streams may hold
+    response_store: str | None = None  # sqlite:///PATH; default: a file in the cache folder
 
     @classmethod
     def from_namespace(cls, namespace: Any) -> ServerArgs:

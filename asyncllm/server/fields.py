@@ -10,6 +10,7 @@ from typing import Any
 Schema = dict[str, Any]
 
 COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "completions", "chat", "tokenize", "detokenize"
+RESPONSES = "responses"
 GENERATION = (COMPLETIONS, CHAT)
 
 _PYTHON_TYPES: dict[str, tuple[type, ...]] = {
@@ -172,6 +173,43 @@ _STREAM_OPTIONS = (
         "boolean",
         "with include_usage, every chunk holds the usage so far (vLLM)",
     ),
+    Field(
+        "resumable",
+        "boolean",
+        "keep generating if the connection drops (for --stream-retention seconds); resume with "
+        "GET /v1/streams/{id} and Last-Event-ID",
+    ),
+)
+
+_RESPONSES = (RESPONSES,)
+RESPONSES_FIELDS = (
+    Field(
+        "input",
+        ("string", "array"),
+        "a user message, or message items (text content)",
+        routes=_RESPONSES,
+        required=True,
+    ),
+    Field("model", "string", "the served model's name; another name is a 404", routes=_RESPONSES),
+    Field("instructions", "string", "a system message before the input", routes=_RESPONSES),
+    Field(
+        "previous_response_id",
+        "string",
+        "continue the conversation of this stored response",
+        routes=_RESPONSES,
+    ),
+    Field("max_output_tokens", "integer", "tokens to generate at most", routes=_RESPONSES),
+    Field("temperature", "number", "0: greedy", routes=_RESPONSES),
+    Field("top_p", "number", "nucleus sampling", routes=_RESPONSES),
+    Field("stream", "boolean", "answer with the SSE stream of events", routes=_RESPONSES),
+    Field(
+        "background",
+        "boolean",
+        "answer at once and generate on (resumable; poll, stream or cancel it by id)",
+        routes=_RESPONSES,
+    ),
+    Field("store", "boolean", "keep the response for retrieval (default true)", routes=_RESPONSES),
+    Field("metadata", "object", "string pairs stored with the response", routes=_RESPONSES),
 )
 
 FIELDS: tuple[Field, ...] = (
@@ -436,4 +474,5 @@ FIELDS: tuple[Field, ...] = (
         minimum=0,
         required=True,
     ),
+    *RESPONSES_FIELDS,
 )

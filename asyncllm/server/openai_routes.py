@@ -26,11 +26,15 @@ from asyncllm.server.protocol import (
     parse_tokenize,
 )
 from asyncllm.server.responses import ChunkBuilder
+from asyncllm.server.resumable import resume_point
 from asyncllm.server.state import RESPONSE_ID, Admission, ServerState
 from asyncllm.server.streaming import (
     ChunkStream,
+    NumberedEvents,
+    chunk_events,
     json_response,
     merge_streams,
+    numbered,
     serve_websocket,
     write_sse,
 )
@@ -89,32 +93,57 @@ class OpenAIRoutes:
         return await self._generate(request, "chat")
 
     async def websocket(self, request: web.Request) -> web.StreamResponse:
-        return await serve_websocket(
-            request, self.open_stream, self.state.args.max_request_body_bytes
-        )
+        return await serve_websocket(request, self, self.state.args.max_request_body_bytes)
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        req = self._parse(endpoint, await read_json(request))
+        req = self.parse_request(endpoint, await read_json(request))
+        response_id = _response_id(req)
+        request[RESPONSE_ID] = response_id
+        if req.stream:
+            return await write_sse(request, self._stream(req, response_id))
         with self.state.admit(req.timeout) as admission:
-            response_id = _response_id(req)
-            request[RESPONSE_ID] = response_id
-            if req.stream:
-                return await write_sse(request, self._chunks(req, response_id, admission))
             return json_response(await self._complete(req, response_id, admission))
 
-    async def open_stream(self, endpoint: str, body: dict[str, Any]) -> ChunkStream:
-        """One WebSocket request: parse, admit, stream (errors surface on the first read)."""
+    def open_stream(self, endpoint: str, body: dict[str, Any]) -> tuple[str, NumberedEvents]:
+        """One WebSocket request (admission errors surface on the first read)."""
         if not isinstance(endpoint, str) or endpoint not in _ENDPOINTS:
             raise ProtocolError(
                 "endpoint must be 'chat' or 'completions'.", status=404, param="endpoint"
             )
-        req = self._parse(_ENDPOINTS[endpoint], body)
+        req = self.parse_request(_ENDPOINTS[endpoint], body)
+        response_id = _response_id(req)
+        return response_id, self._stream(req, response_id)
+
+    def _stream(self, req: GenerationRequest, response_id: str) -> NumberedEvents:
+        """The request's events; a resumable one's generation runs on its own, in the registry."""
+        events = chunk_events(self.admitted_chunks(req, response_id))
+        if not req.resumable:
+            return numbered(events)
+        stream = self.state.streams.start(response_id, events)
+        return stream.replay(-1, self.state.args.keepalive_interval)
+
+    async def admitted_chunks(self, req: GenerationRequest, response_id: str) -> ChunkStream:
         with self.state.admit(req.timeout) as admission:
-            async with aclosing(self._chunks(req, _response_id(req), admission)) as chunks:
+            async with aclosing(self._chunks(req, response_id, admission)) as chunks:
                 async for chunk in chunks:
                     yield chunk
 
-    def _parse(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest:
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/streams/{id}: the events after Last-Event-ID (or ?starting_after), then the
+        live stream."""
+        stream_id = request.match_info["stream_id"]
+        request[RESPONSE_ID] = stream_id
+        return await write_sse(request, self.resume_stream(stream_id, resume_point(request)))
+
+    def resume_stream(self, stream_id: str, after: int) -> NumberedEvents:
+        stream = self.state.streams.get(stream_id)
+        stream.check_after(after)
+        return stream.replay(after, self.state.args.keepalive_interval)
+
+    def cancel_stream(self, stream_id: str) -> None:
+        self.state.streams.cancel(stream_id)
+
+    def parse_request(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest:
         req = _PARSERS[endpoint](body, self.engine.input_processor.vocab_size)
         if req.model is not None and req.model not in self.state.model_names:
             raise ProtocolError(

@@ -13,6 +13,7 @@ from asyncllm.server.fields import (
     COMPLETIONS,
     DETOKENIZE,
     MESSAGE_FIELDS,
+    RESPONSES,
     TOKEN_IDS,
     TOKENIZE,
     Field,
@@ -84,6 +85,23 @@ _SCHEMAS: dict[str, Schema] = {
     "ChatCompletionRequest": _request(CHAT),
     "TokenizeRequest": {**_request(TOKENIZE), "description": "exactly one of prompt and messages"},
     "DetokenizeRequest": _request(DETOKENIZE),
+    "ResponseRequest": _request(RESPONSES),
+    "Response": {
+        "type": "object",
+        "description": "OpenAI's response object: id, status, output (one assistant message), "
+        "output_text, usage",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["response"]},
+            "status": {
+                "type": "string",
+                "enum": ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"],
+            },
+            "output": {"type": "array", "items": {"type": "object"}},
+            "output_text": {"type": "string"},
+            "usage": _nullable({"type": "object"}),
+        },
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -208,6 +226,77 @@ def _post(summary: str, request: str, response: str) -> dict[str, Any]:
     }
 
 
+_SSE = {"schema": {"type": "string", "description": "`data: ...` / `id: N` events"}}
+_RESUME_PARAMETERS = [
+    {
+        "name": "Last-Event-ID",
+        "in": "header",
+        "schema": {"type": "integer", "minimum": 0},
+        "description": "the last event the client saw: the stream resumes after it",
+    },
+    {
+        "name": "starting_after",
+        "in": "query",
+        "schema": {"type": "integer", "minimum": 0},
+        "description": "as Last-Event-ID",
+    },
+]
+
+
+def _path_parameter(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _not_found(what: str) -> dict[str, Any]:
+    content = {"application/json": {"schema": _ref("Error")}}
+    return {"404": {"description": f"an unknown, expired or deleted {what}", "content": content}}
+
+
+def _resumable_paths() -> dict[str, Any]:
+    response_json = {"application/json": {"schema": _ref("Response")}}
+    ok = {"description": "the response", "content": response_json}
+    errors = {**_error_responses("400 401"), **_not_found("response")}
+    stream_ok = {"description": "the events after the given one", "content": {"text/event-stream": _SSE}}  # fmt: skip
+    stream = {
+        "get": {
+            "summary": "Resume a resumable stream",
+            "parameters": [_path_parameter("stream_id"), *_RESUME_PARAMETERS],
+            "responses": {"200": stream_ok, **_error_responses("400 401"), **_not_found("stream")},
+        }
+    }
+    create = _generation("Create a response", "ResponseRequest", "Response", "Response")
+    stream_query = {"name": "stream", "in": "query", "schema": {"type": "boolean"}}
+    response_id = _path_parameter("response_id")
+    one = {
+        "get": {
+            "summary": "A stored response; with stream=true, a background one's events",
+            "parameters": [response_id, stream_query, *_RESUME_PARAMETERS],
+            "responses": {
+                "200": {**ok, "content": {**response_json, "text/event-stream": _SSE}},
+                **errors,
+            },  # fmt: skip
+        },
+        "delete": {
+            "summary": "Forget a response",
+            "parameters": [response_id],
+            "responses": {"200": {"description": "deleted"}, **errors},
+        },
+    }
+    cancel = {
+        "post": {
+            "summary": "Cancel a background response",
+            "parameters": [response_id],
+            "responses": {"200": ok, **errors},
+        }
+    }
+    return {
+        "/v1/streams/{stream_id}": stream,
+        "/v1/responses": create,
+        "/v1/responses/{response_id}": one,
+        "/v1/responses/{response_id}/cancel": cancel,
+    }
+
+
 def openapi_spec(prefix: str = "", version: str = "unknown") -> dict[str, Any]:
     """The whole description; `prefix` is the server's --root-path."""
     websocket = _get(
@@ -234,6 +323,8 @@ def openapi_spec(prefix: str = "", version: str = "unknown") -> dict[str, Any]:
         "/metrics": _get("Prometheus metrics", None),
         "/version": _get("The server version", {"type": "object"}),
         "/openapi.json": _get("This description", {"type": "object"}),
+        "/": _get("The chat page (HTML, open: it asks for the API key)", None),
+        **_resumable_paths(),
     }
     return {
         "openapi": "3.0.3",

@@ -105,6 +105,7 @@ class GenerationRequest:
     template: TemplateOptions = field(default_factory=TemplateOptions)
     stream: bool = False
     include_usage: bool = False
+    resumable: bool = False  # generation outlives the connection; GET /v1/streams/{id} resumes
     continuous_usage: bool = False  # the usage so far in every chunk
     echo: bool = False
     priority: int = 0
@@ -187,6 +188,7 @@ def _common(values: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
         "stream": stream,
         "include_usage": include_usage,
         "continuous_usage": include_usage and options.get("continuous_usage_stats", False),
+        "resumable": options.get("resumable", False),
         "priority": values.get("priority", 0),
         "prompt_logprobs": values.get("prompt_logprobs"),
         "max_tokens_field": next(

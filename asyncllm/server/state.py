@@ -15,6 +15,7 @@ from asyncllm.model_files.model_path import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from asyncllm.server.args import ServerArgs
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.protocol import ProtocolError, overloaded, timed_out
+from asyncllm.server.resumable import StreamRegistry
 
 REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, or a fresh one
 RESPONSE_ID = web.RequestKey("response_id", str)  # the completion's id, for the access log
@@ -76,6 +77,7 @@ class ServerState:
         self._idle = asyncio.Event()
         self._idle.set()
         self.max_prompt_chars = _max_prompt_chars(engine)
+        self.streams = StreamRegistry(args.stream_retention, args.stream_buffer_bytes)
 
     @property
     def in_flight(self) -> int:

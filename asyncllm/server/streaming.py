@@ -2,7 +2,9 @@
 
 A chunk stream is an async iterator of dicts (OpenAI chunk objects) and None (nothing new for a
 keep-alive interval). Streams are pulled, never pushed: a slow reader leaves the engine's
-per-request collector merging deltas instead of a queue growing here.
+per-request collector merging deltas instead of a queue growing here. On the wire each chunk is
+an Event, serialized once and numbered in its stream (SSE's `id:`), so that a resumable stream
+can be replayed from any event.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from aiohttp import WSMsgType, web
@@ -33,6 +36,47 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _END = object()
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of a stream as it goes on the wire."""
+
+    data: bytes  # JSON, or b"[DONE]"
+    name: str | None = None  # SSE's `event:` field (the Responses API's event types)
+    error: bool = False  # the error that ended the stream
+
+
+DONE = Event(b"[DONE]")
+EventStream = AsyncIterator[Event | None]  # None: a keep-alive tick
+NumberedEvents = AsyncIterator[tuple[int, Event] | None]
+
+
+async def chunk_events(chunks: ChunkStream) -> EventStream:
+    """A completion's chunks as OpenAI streams them: one event each, an error event if it fails
+    once started, then [DONE]. A failure before anything came is raised instead, so the request
+    still gets a plain JSON error with its status."""
+    started = False
+    async with aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield None if chunk is None else Event(orjson.dumps(chunk))
+                started = True
+        except Exception as e:
+            if not started:
+                raise
+            yield Event(orjson.dumps(error_for(e).body()), error=True)
+    yield DONE
+
+
+async def numbered(events: EventStream, first: int = 0) -> NumberedEvents:
+    async with aclosing(events):
+        async for event in events:
+            if event is None:
+                yield None
+            else:
+                yield first, event
+                first += 1
 
 
 class _Completions:
@@ -128,53 +172,67 @@ def error_for(error: BaseException) -> ProtocolError:
     return ProtocolError(f"internal error: {error!r}", status=500, type="internal_server_error")
 
 
-def sse_event(chunk: Chunk) -> bytes:
-    if chunk is None:
+def sse_event(item: tuple[int, Event] | None) -> bytes:
+    if item is None:
         return b": keep-alive\n\n"
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+    n, event = item
+    # data first: SSE takes the fields in any order, and a reader that looks for `data: ` at
+    # the start of an event finds it
+    name = b"" if event.name is None else b"event: " + event.name.encode() + b"\n"
+    return b"data: %s\n%sid: %d\n\n" % (event.data, name, n)
 
 
-async def write_sse(request: web.Request, chunks: ChunkStream) -> web.StreamResponse:
-    """Streams chunks as OpenAI does: `data: {chunk}` events, then `data: [DONE]`.
+async def write_sse(request: web.Request, events: NumberedEvents) -> web.StreamResponse:
+    """Streams events as `data: ...` / `id: n` blocks.
 
     The first item is awaited before the headers go out, so a request that fails validation
-    still gets a plain JSON error with its status. Later failures become an error event.
+    still gets a plain JSON error with its status.
     """
-    async with aclosing(chunks):
-        item = await anext(chunks, _END)
+    async with aclosing(events):
+        item = await anext(events, _END)
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         try:
             while item is not _END:
                 await response.write(sse_event(item))
-                item = await anext(chunks, _END)
+                item = await anext(events, _END)
         except ConnectionResetError:
-            return response  # the client went away: aclosing aborts the request
-        except Exception as e:
-            await response.write(sse_event(error_for(e).body()))
-        await response.write(b"data: [DONE]\n\n")
+            return response  # the client went away: aclosing aborts (or detaches) the stream
     await response.write_eof()
     return response
 
 
 # -- WebSocket ------------------------------------------------------------------------------
 
-# (endpoint, body) -> the chunk stream of one request; raises ProtocolError on first read
-StreamOpener = Callable[[str, dict[str, Any]], ChunkStream]
+
+class StreamSource(Protocol):
+    """What a WebSocket session streams from (the generation routes)."""
+
+    def open_stream(self, endpoint: str, body: dict[str, Any]) -> tuple[str, NumberedEvents]:
+        """(stream id, its events) of one request; raises ProtocolError if it is refused."""
+
+    def resume_stream(self, stream_id: str, after: int) -> NumberedEvents:
+        """The events after `after` of a resumable stream, then the live ones."""
+
+    def cancel_stream(self, stream_id: str) -> None:
+        """Ends a resumable stream (nothing for one that is not)."""
 
 
 class WebSocketSession:
     """One socket, many concurrent requests, each tagged with the client's id.
 
-    Client frames: {"type": "request", "id", "endpoint": "chat"|"completions", "body"} and
-    {"type": "cancel", "id"}. Server frames: {"type": "chunk", "id", "data"}, {"type": "error",
-    "id", "error"} and one final {"type": "done", "id"} per request.
+    Client frames: {"type": "request", "id", "endpoint": "chat"|"completions", "body"},
+    {"type": "resume", "id", "stream", "starting_after"} and {"type": "cancel", "id"}. Server
+    frames: {"type": "chunk", "id", "event_id", "data"}, {"type": "error", "id", "error"} and one
+    final {"type": "done", "id"} per request. Closing the socket aborts its requests, except
+    resumable ones (stream_options.resumable), which a later request can resume.
     """
 
-    def __init__(self, ws: web.WebSocketResponse, open_stream: StreamOpener) -> None:
+    def __init__(self, ws: web.WebSocketResponse, source: StreamSource) -> None:
         self.ws = ws
-        self.open_stream = open_stream
+        self.source = source
         self.tasks: dict[str, asyncio.Task] = {}
+        self.stream_ids: dict[str, str] = {}  # the client's request id -> the stream's
 
     async def run(self) -> None:
         try:
@@ -184,7 +242,7 @@ class WebSocketSession:
                 elif message.type == WSMsgType.BINARY:
                     await self._send_error(None, ProtocolError("frames must be JSON text."))
         finally:
-            # the socket closed: every request it started is aborted
+            # the socket closed: every request it started is aborted (resumable ones detached)
             for task in self.tasks.values():
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -203,49 +261,76 @@ class WebSocketSession:
         kind = frame.get("type", "request")
         if kind == "cancel":
             await self._cancel(request_id)
-        elif kind == "request":
-            await self._start(request_id, frame)
+        elif kind in ("request", "resume"):
+            await self._start(request_id, kind, frame)
         else:
             error = ProtocolError(f"unknown frame type {kind!r}.", param="type")
             await self._send_error(request_id, error)
 
-    async def _start(self, request_id: str, frame: dict[str, Any]) -> None:
-        body = frame.get("body")
+    async def _start(self, request_id: str, kind: str, frame: dict[str, Any]) -> None:
         if request_id in self.tasks:
             error = ProtocolError(f"request id {request_id!r} is already in flight.", param="id")
             await self._send_error(request_id, error)
             return
-        if not isinstance(body, dict):
-            error = ProtocolError("body must be an object.", param="body")
-            await self._send_error(request_id, error)
+        try:
+            stream_id, events = self._open(kind, frame)
+        except ProtocolError as e:
+            await self._send_error(request_id, e)
             await self._send({"type": "done", "id": request_id})
             return
-        endpoint = frame.get("endpoint") or ("chat" if "messages" in body else "completions")
-        stream = self.open_stream(endpoint, {**body, "stream": True})
-        task = asyncio.create_task(self._relay(request_id, stream))
+        self.stream_ids[request_id] = stream_id
+        task = asyncio.create_task(self._relay(request_id, events))
         self.tasks[request_id] = task
         task.add_done_callback(lambda _: self._forget(request_id, task))
+
+    def _open(self, kind: str, frame: dict[str, Any]) -> tuple[str, NumberedEvents]:
+        if kind == "resume":
+            stream_id, after = frame.get("stream"), frame.get("starting_after", -1)
+            if not isinstance(stream_id, str):
+                raise ProtocolError("a resume frame needs the stream's id.", param="stream")
+            if not isinstance(after, int) or isinstance(after, bool) or after < -1:
+                raise ProtocolError(
+                    "starting_after must be an event number (or -1).", param="starting_after"
+                )
+            return stream_id, self.source.resume_stream(stream_id, after)
+        body = frame.get("body")
+        if not isinstance(body, dict):
+            raise ProtocolError("body must be an object.", param="body")
+        endpoint = frame.get("endpoint") or ("chat" if "messages" in body else "completions")
+        return self.source.open_stream(endpoint, {**body, "stream": True})
 
     def _forget(self, request_id: str, task: asyncio.Task) -> None:
         if self.tasks.get(request_id) is task:
             del self.tasks[request_id]
+            del self.stream_ids[request_id]
 
-    async def _relay(self, request_id: str, chunks: ChunkStream) -> None:
-        async with aclosing(chunks):
+    async def _relay(self, request_id: str, events: NumberedEvents) -> None:
+        async with aclosing(events):
             try:
-                async for chunk in chunks:
-                    if chunk is not None:
-                        await self._send({"type": "chunk", "id": request_id, "data": chunk})
+                async for item in events:
+                    if item is not None:
+                        await self._send_event(request_id, *item)
             except ConnectionResetError:
                 return
             except Exception as e:
                 await self._send_error(request_id, error_for(e))
         await self._send({"type": "done", "id": request_id})
 
+    async def _send_event(self, request_id: str, n: int, event: Event) -> None:
+        if event == DONE:
+            return  # the done frame follows
+        if event.error:
+            await self._send({"type": "error", "id": request_id, **orjson.loads(event.data)})
+            return
+        head = b'{"type":"chunk","id":%s,"event_id":%d,"data":' % (orjson.dumps(request_id), n)
+        if not self.ws.closed:
+            await self.ws.send_str((head + event.data + b"}").decode())
+
     async def _cancel(self, request_id: str) -> None:
         task = self.tasks.pop(request_id, None)
         if task is None:
             return  # already finished: its done frame went out
+        self.source.cancel_stream(self.stream_ids.pop(request_id))
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await self._send({"type": "done", "id": request_id, "cancelled": True})
@@ -259,11 +344,11 @@ class WebSocketSession:
 
 
 async def serve_websocket(
-    request: web.Request, open_stream: StreamOpener, max_msg_size: int
+    request: web.Request, source: StreamSource, max_msg_size: int
 ) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=max_msg_size)
     await ws.prepare(request)
-    await WebSocketSession(ws, open_stream).run()
+    await WebSocketSession(ws, source).run()
     return ws
 
 
