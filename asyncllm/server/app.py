@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.metadata
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -13,6 +14,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from asyncllm.debugging import profiler_dir
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.server.args import ServerArgs
 from asyncllm.server.openai_routes import OpenAIRoutes
@@ -20,6 +22,7 @@ from asyncllm.server.openapi import openapi_spec
 from asyncllm.server.protocol import ProtocolError, overloaded
 from asyncllm.server.state import REQUEST_ID, RESPONSE_ID, STATE, ServerState
 from asyncllm.server.streaming import error_for, error_response, json_response
+from asyncllm.server.supervisor import start_supervisor
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -38,6 +41,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs | Any = None) -> web.Applicatio
     )
     app[STATE] = state
     app.on_response_prepare.append(_add_request_id_header)
+    app.cleanup_ctx.append(_supervised)
     routes = OpenAIRoutes(state)
     openapi = _openapi_handler(prefix)
     for p in prefixes:
@@ -51,10 +55,23 @@ def build_app(engine: AsyncLLM, args: ServerArgs | Any = None) -> web.Applicatio
         app.router.add_get(f"{p}/metrics", _metrics)
         app.router.add_get(f"{p}/version", _version)
         app.router.add_get(f"{p}/openapi.json", openapi)
+        if profiler_dir(engine.config.args.profiler_dir):
+            app.router.add_post(f"{p}/start_profile", _start_profile)
+            app.router.add_post(f"{p}/stop_profile", _stop_profile)
     return app
 
 
 _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key asked
+
+
+async def _supervised(app: web.Application) -> AsyncIterator[None]:
+    """The engine task and its supervisor run while the app does."""
+    state = app[STATE]
+    args = state.args
+    task = start_supervisor(state.engine, args.engine_restart, args.engine_restarts_per_minute)
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -65,6 +82,16 @@ async def _health(request: web.Request) -> web.Response:
         return error_response(overloaded("the server is shutting down."))
     error = ProtocolError("the engine has stopped.", status=503, type="service_unavailable")
     return error_response(error)
+
+
+async def _start_profile(request: web.Request) -> web.Response:
+    request.app[STATE].engine.start_profile()
+    return web.Response(status=200)
+
+
+async def _stop_profile(request: web.Request) -> web.Response:
+    request.app[STATE].engine.stop_profile()
+    return web.Response(status=200)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -21,6 +21,11 @@ class ServerArgs:
     trust_request_chat_template: bool = False  # accept chat_template in chat_template_kwargs
     keepalive_interval: float = 5.0  # seconds of silence before a `: keep-alive` comment
     shutdown_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
+    # a connection that has not sent a whole request this long after connecting (or after its
+    # last response) is closed: idle keep-alive connections, and headers sent a byte at a time
+    keep_alive_timeout: float = 75.0
+    engine_restart: bool = True  # a dead engine core is replaced by a new one
+    engine_restarts_per_minute: int = 3  # past this, a dead engine stays down (/health 503)
 
     @classmethod
     def from_namespace(cls, namespace: Any) -> ServerArgs:
