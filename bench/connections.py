@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-from soak import ROOT, Server, machine
+from soak import run_with_server
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -167,22 +164,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = make_parser().parse_args(argv)
-    info = machine()
-    server = Server(args.server_args, args.log)
-    try:
-        url = server.wait_until_serving()
-        result = asyncio.run(compare(args, url))
-    finally:
-        server.stop()
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "bench/connections.py", *(argv or sys.argv[1:])]),
-        **info,
-        **result,
-    }
-    device = "cpu" if info["device"] == "cpu" else "gpu"
-    out = args.out or ROOT / "bench" / "results" / f"connections_{device}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result = run_with_server("connections", argv, args, lambda server: compare(args, server.url))
     print(json.dumps({k: result[k] for k in ("p99_ratio", "within_10_pct", "crowd")}, indent=2))
     return result
 

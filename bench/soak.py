@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -360,25 +361,38 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = make_parser().parse_args(argv)
+def run_with_server(
+    name: str,
+    argv: list[str] | None,
+    args: argparse.Namespace,
+    work: Callable[[Server], Awaitable[dict]],
+) -> dict:
+    """Starts the server (args.server_args, its log at args.log), runs work(server), stops the
+    server, and writes the result with the machine and the command to args.out (default
+    bench/results/NAME_<cpu|gpu>.json)."""
     info = machine()
     server = Server(args.server_args, args.log)
     try:
         server.wait_until_serving()
-        result = asyncio.run(soak(args, server))
+        result = asyncio.run(work(server))
     finally:
         server.stop()
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "bench/soak.py", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", f"bench/{name}.py", *(argv or sys.argv[1:])]),
         **info,
         "server_exit_code": server.process.returncode,
         **result,
     }
     device = "cpu" if info["device"] == "cpu" else "gpu"
-    out = args.out or ROOT / "bench" / "results" / f"soak_{device}.json"
+    out = args.out or ROOT / "bench" / "results" / f"{name}_{device}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
+    result = run_with_server("soak", argv, args, lambda server: soak(args, server))
     print(json.dumps(result["summary"], indent=2))
     return result
 

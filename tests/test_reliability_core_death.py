@@ -167,6 +167,27 @@ async def test_a_core_that_raises_is_replaced_until_the_limit(tiny_model_dir) ->
     assert engine.core_client.process.poll() is not None
 
 
+async def test_an_in_process_core_whose_loop_raises_is_replaced_too(tiny_model_dir) -> None:
+    """The CPU default: the core in the server's process, its step raising outside a request."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=256))
+    broken = engine.core_client.core
+
+    def schedule():
+        raise RuntimeError("injected fault: the scheduler's state is broken")
+
+    broken.scheduler.schedule = schedule
+    try:
+        async with serving(engine) as (url, _), aiohttp.ClientSession() as session:
+            body = {"prompt": "doomed", "max_tokens": 4}
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                assert response.status == 503 and is_openai_error(await response.json())
+            await seconds_until_health(session, url, 200, RESTART_BOUND_S)
+            assert engine.core_client.core is not broken
+            assert await serves_a_request(session, url)
+    finally:
+        await engine.shutdown()
+
+
 async def test_restarts_are_limited_per_minute() -> None:
     now = [0.0]
     limit = RestartLimit(2, clock=lambda: now[0])
