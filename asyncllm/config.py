@@ -43,6 +43,9 @@ class EngineArgs:
     engine_process: bool | None = None
     seed: int = 0
     max_logprobs: int = 20
+    # the engine core's torch profiler traces go here (POST /start_profile, /stop_profile);
+    # None: $ASYNCLLM_TORCH_PROFILER_DIR, else profiling is off
+    profiler_dir: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_args(self)

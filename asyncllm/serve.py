@@ -10,12 +10,12 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 
 import uvloop
 from aiohttp import web
 
 from asyncllm.config import EngineArgs
+from asyncllm.debugging import configure_logging, start_function_trace
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.engine.heap import freeze_startup_objects
 from asyncllm.server.app import STATE, AccessLogger, ServerArgs, build_app
@@ -97,6 +97,25 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="where the Responses API stores responses: sqlite:///PATH (default: "
         "responses.sqlite3 in the cache folder, $ASYNCLLM_CACHE_DIR or ~/.cache/asyncllm)",
     )
+    server.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=defaults.keep_alive_timeout,
+        help="seconds a connection may take to send a whole request (idle or slow) before "
+        "it is closed",
+    )
+    server.add_argument(
+        "--engine-restart",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.engine_restart,
+        help="start a new engine core when it dies (/health is 503 meanwhile)",
+    )
+    server.add_argument(
+        "--engine-restarts-per-minute",
+        type=int,
+        default=defaults.engine_restarts_per_minute,
+        help="past this many restarts in 60 s a dead engine stays down, /health 503",
+    )
     _add_engine_args(parser.add_argument_group("engine"))
     return parser
 
@@ -120,13 +139,6 @@ def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
     )
 
 
-def configure_logging() -> None:
-    level = os.environ.get("ASYNCLLM_LOGGING_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-
-
 async def serve(namespace: argparse.Namespace) -> None:
     server_args = ServerArgs.from_namespace(namespace)
     try:  # before the model loads: a store that cannot be written fails at once
@@ -145,6 +157,7 @@ async def serve(namespace: argparse.Namespace) -> None:
         access_log_class=AccessLogger,
         access_log=logging.getLogger("asyncllm.access"),
         shutdown_timeout=1.0,
+        keepalive_timeout=server_args.keep_alive_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, server_args.host, server_args.port)
@@ -173,6 +186,7 @@ async def serve(namespace: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     namespace = make_parser(prog).parse_args(argv)
     configure_logging()
+    start_function_trace("server")
     uvloop.run(serve(namespace))
 
 

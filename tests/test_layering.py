@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "errors": set(),
+    "debugging": set(),
     "sampling_params": {"errors"},
     "outputs": set(),
     "model_files": set(),
@@ -35,8 +36,25 @@ ALLOWED: dict[str, set[str]] = {
         "sampling_params",
     },
     "executor": {"worker", "core", "config"},
-    "engine": {"executor", "core", "config", "request", "outputs", "sampling_params", "errors"},
-    "server": {"engine", "config", "outputs", "sampling_params", "model_files", "errors"},
+    "engine": {
+        "executor",
+        "core",
+        "config",
+        "request",
+        "outputs",
+        "sampling_params",
+        "errors",
+        "debugging",
+    },
+    "server": {
+        "engine",
+        "config",
+        "outputs",
+        "sampling_params",
+        "model_files",
+        "errors",
+        "debugging",
+    },
 }
 ENTRY_POINTS = {"asyncllm", "cli", "serve"}  # may import anything
 

@@ -134,7 +134,11 @@ async def check_dead_engine(engine: AsyncLLM) -> None:
         return real_schedule()
 
     scheduler.schedule = schedule
-    async with serving(engine) as (url, _), aiohttp.ClientSession() as session:
+    # without a restart (test_reliability_core_death checks those), the engine stays down
+    async with (
+        serving(engine, engine_restart=False) as (url, _),
+        aiohttp.ClientSession() as session,
+    ):
         body = {"prompt": "doomed", **STREAM, "max_tokens": 200}
         sse = [asyncio.ensure_future(read_events(session, url, body)) for _ in range(3)]
         ws = await session.ws_connect(f"{url}/v1/stream")

@@ -77,6 +77,19 @@ class Scheduler:
             list(step.scheduled.values()), step.preempted, finished, step.first_scheduled
         )
 
+    def describe(self, output: SchedulerOutput) -> str:
+        """One step's decisions in a line (ASYNCLLM_LOG_SCHEDULER): each scheduled request with
+        its new tokens, the preempted, the token budget used, the KV blocks in use."""
+        kv = self.kv_cache_manager
+        scheduled = " ".join(f"{s.request.request_id}+{s.num_new_tokens}" for s in output.scheduled)
+        return (
+            f"scheduled {len(output.scheduled)} [{scheduled}]"
+            f" preempted {len(output.preempted_req_ids)} {sorted(output.preempted_req_ids)}"
+            f" tokens {output.total_num_scheduled_tokens}/{self.config.max_num_batched_tokens}"
+            f" kv_blocks {kv.num_blocks - kv.num_free_blocks}/{kv.num_blocks}"
+            f" running {self.num_running} waiting {self.num_waiting}"
+        )
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[Request]:

@@ -1,6 +1,11 @@
 """AsyncLLM: the asyncio front end. One background engine task takes in the engine core's steps
 (from its thread in this process, or from its own process) while generate() iterators hand
-each request's outputs to its consumer."""
+each request's outputs to its consumer.
+
+A core that fails as a whole (its process died or raised, a worker died, a step outside any
+request raised) makes the engine dead: every open request ends with EngineDeadError, new ones
+are refused, and restart() puts a new core in its place.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.core_client import CoreClient
 from asyncllm.engine.front_end import FrontEnd
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.engine.messages import EngineStats
-from asyncllm.engine.output_processor import RequestOutputCollector, child_request_id
+from asyncllm.engine.output_processor import (
+    OutputProcessor,
+    RequestOutputCollector,
+    child_request_id,
+)
 from asyncllm.engine.prompt_tokenizer import PromptTokenizer
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -34,6 +44,8 @@ class AsyncLLM(FrontEnd):
         self.prompt_tokenizer = PromptTokenizer(tokenizer) if tokenizer is not None else None
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
+        self._dead = asyncio.Event()
+        self._restarting: asyncio.Future | None = None
         # tokens scheduled in a step -> how many steps scheduled that many, for /metrics: at
         # most max_num_batched_tokens keys, however long the engine runs
         self.steps_by_num_tokens: collections.Counter[int] = collections.Counter()
@@ -60,6 +72,7 @@ class AsyncLLM(FrontEnd):
             raise ValueError(f"request_id {request_id!r} is already in use.")
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.collectors[request_id] = collector  # holds the id while the prompt is tokenized
+        logger.debug("request %s: received", request_id)
         try:
             prompt = await self._with_token_ids(prompt, add_special_tokens)
             self._check_alive()
@@ -69,11 +82,16 @@ class AsyncLLM(FrontEnd):
                 request_id, prompt, sampling_params, priority, add_special_tokens
             )
             self.add_request(request, text, collector)
+            logger.debug(
+                "request %s: %d prompt tokens, to the core",
+                request_id,
+                len(request.prompt_token_ids),
+            )
         except BaseException:
             if self.collectors.get(request_id) is collector:
                 del self.collectors[request_id]
             raise
-        self._ensure_engine_task()
+        self.start()
         finished = False
         try:
             while not finished:
@@ -83,7 +101,10 @@ class AsyncLLM(FrontEnd):
         finally:
             self.collectors.pop(request_id, None)
             if not finished:
+                logger.debug("request %s: aborted", request_id)
                 self.abort(request_id)
+            else:
+                logger.debug("request %s: finished", request_id)
 
     async def _with_token_ids(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:
         """A text prompt with its token ids, from the tokenizer's thread."""
@@ -98,6 +119,13 @@ class AsyncLLM(FrontEnd):
         self.abort_request(request_id)
         self.collectors.pop(request_id, None)
 
+    def start_profile(self) -> None:
+        """The engine core's torch profiler on (--profiler-dir); stop_profile writes the trace."""
+        self.core_client.profile(True)
+
+    def stop_profile(self) -> None:
+        self.core_client.profile(False)
+
     def stats(self) -> EngineStats:
         """As of the last step taken in."""
         return self.latest_stats
@@ -109,7 +137,40 @@ class AsyncLLM(FrontEnd):
         state = states.get(request_id) or states.get(child_request_id(0, request_id))
         return state is not None and state.first_scheduled_time is None
 
+    def start(self) -> None:
+        """Starts the engine task (generate() does too), which also watches the core: one that
+        dies while idle is noticed at once."""
+        if self._task is None and self.dead_error is None:
+            self._task = asyncio.get_running_loop().create_task(self._run_engine())
+
+    async def wait_until_dead(self) -> BaseException:
+        """The error that killed the engine, once it has."""
+        await self._dead.wait()
+        return self.dead_error
+
+    async def restart(self) -> None:
+        """A new engine core in place of the dead one (the old one is stopped and reaped
+        first, so that their memory never overlaps); serves again once it is up. Raises what
+        the new core's start raised, the engine staying dead."""
+        if self.dead_error is None:
+            raise RuntimeError("restart() needs a dead engine.")
+        await self._task
+        loop = asyncio.get_running_loop()
+        self._restarting = loop.run_in_executor(None, self._replace_core)
+        await self._restarting  # if this is cancelled, shutdown() still waits for the new core
+        self._restarting = None
+        self._task = None
+        self.dead_error = None
+        self._dead.clear()
+        self.start()
+
+    def _replace_core(self) -> None:
+        self.core_client.shutdown()
+        self.core_client = CoreClient.create(self.config, self.config.engine_process)
+
     async def shutdown(self) -> None:
+        if self._restarting is not None:
+            await asyncio.gather(self._restarting, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -121,10 +182,6 @@ class AsyncLLM(FrontEnd):
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
-
-    def _ensure_engine_task(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run_engine())
 
     async def _run_engine(self) -> None:
         try:
@@ -141,7 +198,11 @@ class AsyncLLM(FrontEnd):
             self._fail_all(e)
 
     def _fail_all(self, error: BaseException) -> None:
+        """Ends every open request; nothing of theirs survives into a restarted core."""
         self.dead_error = error
         dead = EngineDeadError(f"the engine has stopped: {error!r}")
         for collector in self.collectors.values():
             collector.put(dead)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.latest_stats = EngineStats()
+        self._dead.set()

@@ -17,6 +17,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.debugging import log_scheduler, profiler_dir
 from asyncllm.engine.messages import (
     CoreStep,
     EngineCoreOutput,
@@ -24,8 +25,11 @@ from asyncllm.engine.messages import (
     EngineStats,
     FinishRequests,
     KVCapacity,
+    Profile,
 )
+from asyncllm.engine.profiler import CoreProfiler
 from asyncllm.executor import Executor, create_executor
+from asyncllm.executor.abstract import ExecutorDied
 from asyncllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,9 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}
         # request id -> parallel samples waiting for that request to compute their prompt
         self._waiting_for_prompt: dict[str, list[Request]] = {}
+        self._log_steps = log_scheduler()
+        folder = profiler_dir(config.args.profiler_dir)
+        self.profiler = CoreProfiler(folder) if folder else None
 
     @property
     def capacity(self) -> KVCapacity:
@@ -68,19 +75,23 @@ class EngineCore:
             bad_words_token_ids=core_request.bad_words_token_ids,
             arrival_time=core_request.arrival_time,
         )
+        logger.debug("request %s: in the core", request.request_id)
         source = core_request.prompt_computed_by
         if source is not None and not self._prompt_computed(source):
             self._waiting_for_prompt.setdefault(source, []).append(request)
         else:
             self.scheduler.add_request(request)
 
-    def apply(self, message: EngineCoreRequest | FinishRequests) -> None:
+    def apply(self, message: EngineCoreRequest | FinishRequests | Profile) -> None:
         if isinstance(message, FinishRequests):
             self.finish_requests(message.request_ids, message.status)
+        elif isinstance(message, Profile):
+            self._profile(message.start)
         else:
             self.add_request(message)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        logger.debug("requests %s: %s from the front end", request_ids, status.name)
         ids = set(request_ids)
         for source, waiting in list(self._waiting_for_prompt.items()):
             kept = [r for r in waiting if r.request_id not in ids]
@@ -125,10 +136,24 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
         self.executor.shutdown()
+
+    def _profile(self, start: bool) -> None:
+        if self.profiler is None:
+            logger.warning("profiling is off: no --profiler-dir or ASYNCLLM_TORCH_PROFILER_DIR")
+        elif start:
+            self.profiler.start()
+        else:
+            self.profiler.stop()
 
     def _launch(self) -> _LaunchedStep | None:
         scheduler_output = self.scheduler.schedule()
+        if self._log_steps and (scheduler_output.scheduled or scheduler_output.preempted_req_ids):
+            logger.info("step: %s", self.scheduler.describe(scheduler_output))
+        for request_id in scheduler_output.first_scheduled:
+            logger.debug("request %s: scheduled", request_id)
         # the runner forgets finished and preempted requests when it runs the next step
         scheduler_output.finished_req_ids |= self._unannounced.finished_req_ids
         scheduler_output.preempted_req_ids |= self._unannounced.preempted_req_ids
@@ -143,6 +168,8 @@ class EngineCore:
         """A failed step fails its requests, not the engine."""
         try:
             result = launched.future.result()
+        except ExecutorDied:
+            raise  # no step can run any more: the core fails as a whole
         except Exception as e:
             return self._fail_step(launched.scheduler_output, e)
         outputs = self._update(launched.scheduler_output, result)
@@ -165,6 +192,8 @@ class EngineCore:
         finished = {
             r.request_id for r in self.scheduler.update_from_output(scheduler_output, runner_output)
         }
+        for request_id in finished:
+            logger.debug("request %s: finished in the core", request_id)
         outputs = []
         logprobs = runner_output.logprobs or [None] * len(scheduler_output.scheduled)
         steps = zip(scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs)

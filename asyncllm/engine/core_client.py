@@ -11,11 +11,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import multiprocessing
+import multiprocessing.connection
+import os
 import subprocess
 import sys
 import threading
 from abc import ABC, abstractmethod
-from multiprocessing.connection import Connection
 
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.core import EngineCore
@@ -27,6 +28,7 @@ from asyncllm.engine.messages import (
     Failed,
     FinishRequests,
     KVCapacity,
+    Profile,
     Ready,
     Shutdown,
 )
@@ -45,6 +47,10 @@ class CoreClient(ABC):
 
     @abstractmethod
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None: ...
+
+    @abstractmethod
+    def profile(self, start: bool) -> None:
+        """Starts or stops the core's torch profiler (--profiler-dir)."""
 
     @abstractmethod
     def get_output(self) -> CoreStep:
@@ -66,7 +72,9 @@ class InprocClient(CoreClient):
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.capacity = core.capacity
-        self._inbox: collections.deque[EngineCoreRequest | FinishRequests] = collections.deque()
+        self._inbox: collections.deque[EngineCoreRequest | FinishRequests | Profile] = (
+            collections.deque()
+        )
         self._wake: asyncio.Event | None = None
         self._stepper: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -76,6 +84,9 @@ class InprocClient(CoreClient):
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         if request_ids:
             self._post(FinishRequests(list(request_ids), status))
+
+    def profile(self, start: bool) -> None:
+        self._post(Profile(start))
 
     def get_output(self) -> CoreStep:
         while self._inbox:
@@ -97,7 +108,7 @@ class InprocClient(CoreClient):
             self._stepper.shutdown(wait=True)
         self.core.shutdown()
 
-    def _post(self, message: EngineCoreRequest | FinishRequests) -> None:
+    def _post(self, message: EngineCoreRequest | FinishRequests | Profile) -> None:
         self._inbox.append(message)
         if self._wake is not None:
             self._wake.set()
@@ -125,6 +136,10 @@ class CoreProcessClient(CoreClient):
         )
         inbox_reader.close()
         outbox_writer.close()
+        # readable once the process has exited, even if a child of its own still holds the
+        # outbox open (a pipe alone would then never read EOF)
+        self._exited = os.pidfd_open(self.process.pid)
+        self._reader: threading.Thread | None = None
         self._send(config.args)
         self.capacity = self._wait_until_ready()
         self._steps: asyncio.Queue[CoreStep | Failed] | None = None
@@ -138,10 +153,13 @@ class CoreProcessClient(CoreClient):
         with contextlib.suppress(OSError):  # a core that is gone holds nothing to free
             self._inbox.send(FinishRequests(list(request_ids), status))
 
+    def profile(self, start: bool) -> None:
+        self._send(Profile(start))
+
     def get_output(self) -> CoreStep:
-        messages = [_receive(self._outbox, self.process)]
+        messages = [self._receive()]
         while not isinstance(messages[-1], Failed) and self._outbox.poll():
-            messages.append(_receive(self._outbox, self.process))
+            messages.append(self._receive())
         return _as_one_step(messages)
 
     async def get_output_async(self) -> CoreStep:
@@ -155,6 +173,8 @@ class CoreProcessClient(CoreClient):
         return _as_one_step(messages)
 
     def shutdown(self) -> None:
+        """Stops the process (killed if it does not exit in 30 s) and reaps it; its pipes and
+        the reader thread end with it. Safe to call again, and on a process that died."""
         with contextlib.suppress(OSError):  # already gone
             self._inbox.send(Shutdown())
         try:
@@ -162,17 +182,23 @@ class CoreProcessClient(CoreClient):
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
         self._inbox.close()
+        self._outbox.close()
+        if self._exited >= 0:
+            os.close(self._exited)
+            self._exited = -1
 
     def _wait_until_ready(self) -> KVCapacity:
-        message = _receive(self._outbox, self.process)
+        message = self._receive()
         if isinstance(message, Failed):
             self.process.wait()
             raise EngineCoreGone(f"the engine core did not start: {message.error}")
         assert isinstance(message, Ready)
         return message.capacity
 
-    def _send(self, message: EngineArgs | EngineCoreRequest) -> None:
+    def _send(self, message: EngineArgs | EngineCoreRequest | Profile) -> None:
         try:
             self._inbox.send(message)
         except OSError as e:
@@ -181,9 +207,11 @@ class CoreProcessClient(CoreClient):
     def _start_reader(
         self, loop: asyncio.AbstractEventLoop, steps: asyncio.Queue[CoreStep | Failed]
     ) -> None:
+        """The watcher too: a process that dies, idle or not, is a Failed here at once."""
+
         def read() -> None:
             while True:
-                message = _receive(self._outbox, self.process)
+                message = self._receive()
                 try:
                     loop.call_soon_threadsafe(steps.put_nowait, message)
                 except RuntimeError:
@@ -191,14 +219,18 @@ class CoreProcessClient(CoreClient):
                 if isinstance(message, Failed):
                     return
 
-        threading.Thread(target=read, name="core-outbox", daemon=True).start()
+        self._reader = threading.Thread(target=read, name="core-outbox", daemon=True)
+        self._reader.start()
 
-
-def _receive(outbox: Connection, process: subprocess.Popen) -> CoreStep | Ready | Failed:
-    try:
-        return outbox.recv()
-    except (EOFError, OSError):
-        return Failed(f"the process exited with code {process.wait()}")
+    def _receive(self) -> CoreStep | Ready | Failed:
+        """The next message; Failed once the process has exited and left nothing unread."""
+        try:
+            multiprocessing.connection.wait([self._outbox, self._exited])
+            if self._outbox.poll():
+                return self._outbox.recv()
+        except (EOFError, OSError):
+            pass
+        return Failed(f"the process exited with code {self.process.wait()}")
 
 
 def _as_one_step(messages: list[CoreStep | Failed]) -> CoreStep:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from asyncllm.config import EngineArgs
+from asyncllm.debugging import configure_logging, start_function_trace
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.heap import freeze_startup_objects, release_freed_memory
 from asyncllm.engine.messages import (
@@ -18,13 +19,16 @@ from asyncllm.engine.messages import (
     EngineCoreRequest,
     Failed,
     FinishRequests,
+    Profile,
     Ready,
     Shutdown,
 )
+from asyncllm.executor.abstract import ExecutorDied
 
 logger = logging.getLogger(__name__)
 
-Message = EngineCoreRequest | FinishRequests | Shutdown
+# Failed: the executor's failure callback, from its own thread
+Message = EngineCoreRequest | FinishRequests | Profile | Shutdown | Failed
 
 
 def main() -> None:
@@ -35,9 +39,8 @@ def main() -> None:
 
 def run_core_process(inbox: Connection, outbox: Connection) -> None:
     """The child process's work: the first message is its EngineArgs."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging()
+    start_function_trace("engine_core")
     try:
         args: EngineArgs = inbox.recv()
         core = EngineCore(args.create_engine_config())
@@ -45,9 +48,11 @@ def run_core_process(inbox: Connection, outbox: Connection) -> None:
         outbox.send(Failed(f"{type(e).__name__}: {e}"))
         return
     freeze_startup_objects()
+    messages = _receive_in_thread(inbox)
+    core.executor.register_failure_callback(lambda reason: messages.put(Failed(reason)))
     outbox.send(Ready(core.capacity))
     try:
-        run_core_loop(core, _receive_in_thread(inbox), outbox.send)
+        run_core_loop(core, messages, outbox.send)
     except BaseException as e:
         logger.exception("engine core process died")
         outbox.send(Failed(f"{type(e).__name__}: {e}"))
@@ -73,9 +78,11 @@ def run_core_loop(
 
 
 def _apply(core: EngineCore, message: Message) -> bool:
-    """Applies a message; False for Shutdown."""
+    """Applies a message; False for Shutdown. A failed executor fails the core."""
     if isinstance(message, Shutdown):
         return False
+    if isinstance(message, Failed):
+        raise ExecutorDied(message.error)
     core.apply(message)
     return True
 

@@ -1,7 +1,7 @@
 """What crosses between the front end (LLM, AsyncLLM) and the engine core, in either process
 layout: plain, picklable values only (token ids, parameters, results), never a live object.
 
-Front end -> core: EngineCoreRequest, FinishRequests, Shutdown.
+Front end -> core: EngineCoreRequest, FinishRequests, Profile, Shutdown.
 Core -> front end: Ready (or Failed) once the model is loaded, then one CoreStep per step.
 """
 
@@ -41,6 +41,13 @@ class FinishRequests:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Start (or stop, writing the trace) the core's torch profiler."""
+
+    start: bool
 
 
 @dataclass(frozen=True)

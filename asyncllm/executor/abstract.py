@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import concurrent.futures
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorDied(RuntimeError):
+    """The executor can run no more steps (a worker process died). A step's future fails with
+    it; the engine core then fails as a whole, as if its own process had died, and the front
+    end ends every request and starts a new core."""
 
 
 class Executor(ABC):
@@ -26,3 +33,8 @@ class Executor(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:  # noqa: B027
+        """Has `callback(reason)` called, from any thread, once the executor can run no more
+        steps, so that a worker dying while the core idles is noticed too. An executor
+        without worker processes never fails that way."""

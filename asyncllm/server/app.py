@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.metadata
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from asyncllm.debugging import profiler_dir
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.server.args import ServerArgs
 from asyncllm.server.openai_routes import OpenAIRoutes
@@ -23,6 +25,7 @@ from asyncllm.server.response_store import ResponseStore, open_response_store
 from asyncllm.server.responses_api import ResponsesRoutes
 from asyncllm.server.state import REQUEST_ID, RESPONSE_ID, STATE, ServerState
 from asyncllm.server.streaming import error_for, error_response, json_response
+from asyncllm.server.supervisor import start_supervisor
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -45,6 +48,7 @@ def build_app(
     app[STATE] = state
     app.on_response_prepare.append(_add_request_id_header)
     app.on_cleanup.append(lambda _: _close(state, store))
+    app.cleanup_ctx.append(_supervised)
     routes = OpenAIRoutes(state)
     responses = ResponsesRoutes(routes, store)
     openapi = _openapi_handler(prefix)
@@ -66,6 +70,9 @@ def build_app(
         app.router.add_get(f"{p}/version", _version)
         app.router.add_get(f"{p}/openapi.json", openapi)
         app.router.add_get(f"{p}/", chat_page)
+        if profiler_dir(engine.config.args.profiler_dir):
+            app.router.add_post(f"{p}/start_profile", _start_profile)
+            app.router.add_post(f"{p}/stop_profile", _stop_profile)
     return app
 
 
@@ -83,6 +90,16 @@ _CHAT_PAGE_HEADERS = {
 }
 
 
+async def _supervised(app: web.Application) -> AsyncIterator[None]:
+    """The engine task and its supervisor run while the app does."""
+    state = app[STATE]
+    args = state.args
+    task = start_supervisor(state.engine, args.engine_restart, args.engine_restarts_per_minute)
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.healthy:
@@ -91,6 +108,16 @@ async def _health(request: web.Request) -> web.Response:
         return error_response(overloaded("the server is shutting down."))
     error = ProtocolError("the engine has stopped.", status=503, type="service_unavailable")
     return error_response(error)
+
+
+async def _start_profile(request: web.Request) -> web.Response:
+    request.app[STATE].engine.start_profile()
+    return web.Response(status=200)
+
+
+async def _stop_profile(request: web.Request) -> web.Response:
+    request.app[STATE].engine.stop_profile()
+    return web.Response(status=200)
 
 
 async def _metrics(request: web.Request) -> web.Response:

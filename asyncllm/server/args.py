@@ -24,6 +24,11 @@ class ServerArgs:
     stream_retention: float = 300.0  # seconds a resumable stream outlives its last reader
     stream_buffer_bytes: int = 256 * 1024 * 1024  # events all resumable streams may hold
     response_store: str | None = None  # sqlite:///PATH; default: a file in the cache folder
+    # a connection that has not sent a whole request this long after connecting (or after its
+    # last response) is closed: idle keep-alive connections, and headers sent a byte at a time
+    keep_alive_timeout: float = 75.0
+    engine_restart: bool = True  # a dead engine core is replaced by a new one
+    engine_restarts_per_minute: int = 3  # past this, a dead engine stays down (/health 503)
 
     @classmethod
     def from_namespace(cls, namespace: Any) -> ServerArgs:
