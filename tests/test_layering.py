@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"kernels"},
     "attention": {"layers", "kernels"},
     "sample": {"kernels", "sampling_params", "outputs"},
+    "structured_output": {"sample", "sampling_params", "errors"},
     "models": {"attention", "layers", "config", "model_files"},
     "core": {"config", "request", "sampling_params", "outputs"},
     "worker": {
@@ -33,9 +34,19 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "outputs",
         "sampling_params",
+        "structured_output",
     },
     "executor": {"worker", "core", "config"},
-    "engine": {"executor", "core", "config", "request", "outputs", "sampling_params", "errors"},
+    "engine": {
+        "executor",
+        "core",
+        "config",
+        "request",
+        "outputs",
+        "sampling_params",
+        "errors",
+        "structured_output",
+    },
     "server": {"engine", "config", "outputs", "sampling_params", "model_files", "errors"},
 }
 ENTRY_POINTS = {"asyncllm", "cli", "serve"}  # may import anything

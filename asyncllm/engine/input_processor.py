@@ -12,6 +12,7 @@ from asyncllm.config import ModelConfig
 from asyncllm.engine.messages import EngineCoreRequest
 from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_output.grammar import check_structured_outputs
 
 # a prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}), as in vLLM
 PromptType = str | dict[str, Any]
@@ -145,6 +146,11 @@ class InputProcessor:
                 )
         if params.bad_words and self.tokenizer is None:
             raise ValidationError("bad_words: this model has no tokenizer.", "bad_words")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                message = "structured_outputs: this model has no tokenizer."
+                raise ValidationError(message, "structured_outputs")
+            check_structured_outputs(params.structured_outputs)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it reads alone and after a space (vLLM does the same): BPE tokenizers
