@@ -1,0 +1,35 @@
+"""Mistral format: content, then [TOOL_CALLS] and a JSON array of {"name", "arguments"}
+objects. An array that is not calls stays content; ids are 9 alphanumerics, as Mistral's
+templates require."""
+
+from __future__ import annotations
+
+import uuid
+
+from asyncllm.server.tool_parsers.base import ToolCall, ToolParser, held_back
+from asyncllm.server.tool_parsers.json_array import decode_calls
+
+MARKER = "[TOOL_CALLS]"
+
+
+class MistralToolParser(ToolParser):
+    def split(self, text: str, final: bool) -> list[str | ToolCall]:
+        pieces: list[str | ToolCall] = []
+        position = 0
+        while True:
+            start = text.find(MARKER, position)
+            if start < 0:
+                end = len(text) if final else len(text) - held_back(text[position:], MARKER)
+                pieces.append(text[position:end])
+                return pieces
+            pieces.append(text[position:start])
+            decoded = decode_calls(text, start + len(MARKER))
+            if decoded is None:
+                if final:
+                    pieces.append(text[start:])
+                return pieces
+            calls, end = decoded
+            for call in calls or []:
+                call.id = uuid.uuid4().hex[:9]
+            pieces.extend(calls if calls is not None else [text[start:end]])
+            position = end
