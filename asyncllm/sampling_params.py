@@ -95,7 +95,8 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            known = {k: v for k, v in self.structured_outputs.items() if k in _CONSTRAINTS}
+            self.structured_outputs = StructuredOutputsParams(**known)
         self._validate()
 
     def _validate(self) -> None:

@@ -20,6 +20,8 @@ from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.engine.heap import freeze_startup_objects
 from asyncllm.server.app import STATE, AccessLogger, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
+from asyncllm.server.reasoning_parsers import REASONING_PARSERS
+from asyncllm.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("asyncllm.serve")
 _FAREWELL_S = 2.0  # after the shutdown timeout: time for the streams to send their error event
@@ -76,6 +78,18 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=float,
         default=defaults.shutdown_timeout,
         help="seconds in-flight streams get to finish after SIGTERM",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format, for tool_choice auto",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="keep <think> reasoning apart, in reasoning_content",
     )
     _add_engine_args(parser.add_argument_group("engine"))
     return parser

@@ -47,7 +47,15 @@ ALLOWED: dict[str, set[str]] = {
         "errors",
         "structured_output",
     },
-    "server": {"engine", "config", "outputs", "sampling_params", "model_files", "errors"},
+    "server": {
+        "engine",
+        "config",
+        "outputs",
+        "sampling_params",
+        "model_files",
+        "errors",
+        "structured_output",
+    },
 }
 ENTRY_POINTS = {"asyncllm", "cli", "serve"}  # may import anything
 

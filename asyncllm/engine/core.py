@@ -28,7 +28,6 @@ from asyncllm.engine.messages import (
 )
 from asyncllm.executor import Executor, create_executor
 from asyncllm.request import Request, RequestStatus
-from asyncllm.structured_output.compiler import GrammarCompiler, tokenizer_info
 
 # how long an engine with nothing else to do waits for a grammar before looking at its inbox
 _GRAMMAR_POLL_S = 0.05
@@ -64,11 +63,8 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}
         # request id -> parallel samples waiting for that request to compute their prompt
         self._waiting_for_prompt: dict[str, list[Request]] = {}
-        model = config.model
-        vocabulary = functools.partial(
-            tokenizer_info, model.path, model.hf_config.vocab_size, list(model.eos_token_ids)
-        )
-        self.grammar_compiler = GrammarCompiler(vocabulary)
+        # made at the first constrained request (xgrammar is an optional dependency)
+        self.grammar_compiler = None
         # requests held back until their structured-output grammar is compiled
         self._compiling: dict[str, _CompilingRequest] = {}
         self._grammar_failures: list[EngineCoreOutput] = []
@@ -91,7 +87,7 @@ class EngineCore:
         structured = core_request.sampling_params.structured_outputs
         source = core_request.prompt_computed_by
         if structured is not None:
-            grammar = self.grammar_compiler.submit(structured)
+            grammar = self._grammar_compiler().submit(structured)
             self._compiling[request.request_id] = _CompilingRequest(request, source, grammar)
         else:
             self._admit(request, source)
@@ -161,8 +157,20 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        self.grammar_compiler.shutdown()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
         self.executor.shutdown()
+
+    def _grammar_compiler(self):
+        if self.grammar_compiler is None:
+            from asyncllm.structured_output.compiler import GrammarCompiler, tokenizer_info
+
+            model = self.config.model
+            vocabulary = functools.partial(
+                tokenizer_info, model.path, model.hf_config.vocab_size, list(model.eos_token_ids)
+            )
+            self.grammar_compiler = GrammarCompiler(vocabulary)
+        return self.grammar_compiler
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready go on to the scheduler; a failed compile fails its

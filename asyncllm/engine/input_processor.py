@@ -12,7 +12,6 @@ from asyncllm.config import ModelConfig
 from asyncllm.engine.messages import EngineCoreRequest
 from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.structured_output.grammar import check_structured_outputs
 
 # a prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}), as in vLLM
 PromptType = str | dict[str, Any]
@@ -150,6 +149,8 @@ class InputProcessor:
             if self.tokenizer is None:
                 message = "structured_outputs: this model has no tokenizer."
                 raise ValidationError(message, "structured_outputs")
+            from asyncllm.structured_output.grammar import check_structured_outputs
+
             check_structured_outputs(params.structured_outputs)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:

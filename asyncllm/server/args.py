@@ -21,6 +21,8 @@ class ServerArgs:
     trust_request_chat_template: bool = False  # accept chat_template in chat_template_kwargs
     keepalive_interval: float = 5.0  # seconds of silence before a `: keep-alive` comment
     shutdown_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral: reads tool calls
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: reasoning_content apart
 
     @classmethod
     def from_namespace(cls, namespace: Any) -> ServerArgs:

@@ -39,9 +39,9 @@ def grammar_source(params: StructuredOutputsParams) -> tuple[str, str]:
     return "json_schema", _ANY_OBJECT
 
 
-def check_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Raises ValidationError (param structured_outputs.<kind>) when xgrammar cannot read the
-    constraint."""
+def check_structured_outputs(params: StructuredOutputsParams, param: str | None = None) -> None:
+    """Raises ValidationError naming `param` (default structured_outputs.<kind>) when xgrammar
+    cannot read the constraint."""
     language, text = grammar_source(params)
     readers = {
         "json_schema": xgr.Grammar.from_json_schema,
@@ -52,7 +52,7 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
         readers[language](text, **_options(language))
     except (RuntimeError, ValueError, TypeError) as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
-        param = f"structured_outputs.{params.kind}"
+        param = param or f"structured_outputs.{params.kind}"
         raise ValidationError(f"{param} is invalid: {lines[-1]}", param) from e
 
 

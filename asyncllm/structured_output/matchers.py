@@ -28,6 +28,25 @@ class ConstrainedRow:
     num_output_tokens: int
 
 
+def constrained_rows(scheduled: list) -> list[ConstrainedRow]:
+    """The rows (ScheduledRequests, one per logits row) whose request has a grammar."""
+    rows = []
+    for logits_row, s in enumerate(scheduled):
+        request = s.request
+        if request.grammar is not None:
+            num_outputs = s.num_computed_tokens + s.num_new_tokens - request.num_prompt_tokens
+            rows.append(
+                ConstrainedRow(
+                    logits_row,
+                    request.request_id,
+                    request.grammar,
+                    request.output_token_ids,
+                    num_outputs,
+                )
+            )
+    return rows
+
+
 @dataclass
 class _Sampled:
     """Ids a launched step sampled for constrained requests, readable once `done` happened."""

@@ -32,7 +32,6 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
-from asyncllm.structured_output.matchers import ConstrainedRow, GrammarMatchers
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner
@@ -98,26 +97,6 @@ def _copy_to_host(sampled: SamplerOutput) -> SamplerOutput:
     return SamplerOutput(copy(sampled.sampled_token_ids), logprobs)
 
 
-def _constrained_rows(scheduler_output: SchedulerOutput, rows: list[int]) -> list[ConstrainedRow]:
-    """The logits rows of requests with a structured-output grammar."""
-    constrained = []
-    for logits_row, row in enumerate(rows):
-        s = scheduler_output.scheduled[row]
-        request = s.request
-        if request.grammar is not None:
-            num_outputs = s.num_computed_tokens + s.num_new_tokens - request.num_prompt_tokens
-            constrained.append(
-                ConstrainedRow(
-                    logits_row,
-                    request.request_id,
-                    request.grammar,
-                    request.output_token_ids,
-                    num_outputs,
-                )
-            )
-    return constrained
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -140,9 +119,8 @@ class ModelRunner:
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
             self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
-            self.grammar_matchers = GrammarMatchers(
-                config.model.hf_config.vocab_size, scheduler.max_num_seqs, self.device
-            )
+            # made at the first constrained request (xgrammar is an optional dependency)
+            self.grammar_matchers = None
             self.input_batch = InputBatch(
                 max_num_reqs=scheduler.max_num_seqs,
                 max_num_tokens=scheduler.max_num_batched_tokens,
@@ -171,17 +149,17 @@ class ModelRunner:
         self._forget(scheduler_output.finished_req_ids)
         # a preempted request's token in flight is dropped: its history restarts from the host
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
-        self.grammar_matchers.forget(scheduler_output.preempted_req_ids)
+        self._forget_grammars(scheduler_output.preempted_req_ids)
         prompt_spans = self._prompt_spans(scheduler_output)
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans))
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         hidden, logits = self._forward(plan, inputs)
         sampled = meta = None
-        constrained = _constrained_rows(scheduler_output, inputs.sampling_rows)
+        constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows)
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             # filled while the forward pass enqueued above runs
-            bitmask = self.grammar_matchers.bitmask(constrained)
+            bitmask = self.grammar_matchers.bitmask(constrained) if constrained else None
             sampled = self.sampler(logits, meta, bitmask)
             self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
             ids = [
@@ -275,7 +253,24 @@ class ModelRunner:
     def _forget(self, request_ids: set[str]) -> None:
         self.input_batch.remove_requests(request_ids)
         self.sampling_state.forget(request_ids)
-        self.grammar_matchers.forget(request_ids)
+        self._forget_grammars(request_ids)
+
+    def _forget_grammars(self, request_ids: set[str]) -> None:
+        if self.grammar_matchers is not None:
+            self.grammar_matchers.forget(request_ids)
+
+    def _constrained_rows(self, scheduler_output: SchedulerOutput, rows: list[int]) -> list:
+        """The ConstrainedRows of the requests with a structured-output grammar."""
+        scheduled = [scheduler_output.scheduled[r] for r in rows]
+        if all(s.request.grammar is None for s in scheduled):
+            return []
+        from asyncllm.structured_output.matchers import GrammarMatchers, constrained_rows
+
+        if self.grammar_matchers is None:
+            vocab_size = self.config.model.hf_config.vocab_size
+            max_rows = self.config.scheduler.max_num_seqs
+            self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device)
+        return constrained_rows(scheduled)
 
     def _bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.layer_geometry
