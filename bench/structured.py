@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -26,7 +27,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -60,25 +60,14 @@ def byte_level_vocab(size: int, seed: int = 0) -> list[str]:
 
 
 def qwen3_folder_with_tokenizer() -> Path:
+    """bench/sampler.py's dummy Qwen3-0.6B folder, with the synthetic tokenizer added."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config
+    from transformers import PreTrainedTokenizerFast
 
-    path = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-structured-"))
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000,
-        tie_word_embeddings=True,
-        eos_token_id=EOS,
-    )
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.save_pretrained(path)
+    spec = importlib.util.spec_from_file_location("sampler", Path(__file__).with_name("sampler.py"))
+    sampler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sampler)
+    path = sampler.qwen3_0_6b_folder()
     vocab = {piece: i for i, piece in enumerate(byte_level_vocab(TOKENIZER_SIZE))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -147,9 +136,9 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     fill_ms: list[float] = []
     real_bitmask = GrammarMatchers.bitmask
 
-    def timed_bitmask(self, rows):
+    def timed_bitmask(self, rows, num_logits_rows):
         start = time.perf_counter()
-        out = real_bitmask(self, rows)
+        out = real_bitmask(self, rows, num_logits_rows)
         fill_ms.append((time.perf_counter() - start) * 1e3)
         return out
 

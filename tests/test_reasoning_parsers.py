@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from test_parsers_support import streamed
 
 from asyncllm.server.reasoning_parsers import reasoning_parser
 
@@ -32,15 +31,8 @@ def test_whole_output(parser, text, reasoning, content) -> None:
 
 @pytest.mark.parametrize(("parser", "text", "reasoning", "content"), CASES)
 def test_stream_in_random_chunks_equals_the_whole_parse(parser, text, reasoning, content) -> None:
-    rng = random.Random(len(text))
-    for _ in range(20):
-        stream = reasoning_parser(parser).stream()
-        deltas, position = [], 0
-        while position < len(text):
-            size = rng.randint(1, 5)
-            deltas.append(stream.feed(text[position : position + size]))
-            position += size
-        deltas.append(stream.finish())
+    for seed in range(20):
+        deltas = streamed(reasoning_parser(parser).stream(), text, seed, max_chunk=5)
         assert "".join(r for r, _ in deltas) == (reasoning or "")
         assert "".join(c for _, c in deltas) == content
 

@@ -147,5 +147,8 @@ def test_bitmask_forbids_exactly_the_cleared_bits() -> None:
         for token in range(vocab):
             if not (int(words[i, token // 32]) >> (token % 32)) & 1:
                 expected[row, token] = float("-inf")
+    whole = logits[[0, 2]].clone()
     apply_token_bitmask(logits, TokenBitmask(rows, words))
     assert torch.equal(logits, expected)
+    apply_token_bitmask(whole, TokenBitmask(None, words.flip(0)))  # every row, in order
+    assert torch.equal(whole, expected[[0, 2]])

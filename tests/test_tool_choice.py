@@ -4,9 +4,9 @@ named, reasoning apart; streamed in random chunks, it assembles to the whole rep
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
+from test_parsers_support import streamed
 
 from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import SamplingParams
@@ -68,14 +68,9 @@ def test_whole_reply(shape, text, content, reasoning, expected) -> None:
 
 @pytest.mark.parametrize(("shape", "text", "content", "reasoning", "expected"), REPLIES)
 def test_streamed_reply_assembles_to_the_whole(shape, text, content, reasoning, expected) -> None:
-    rng = random.Random(len(text))
-    for _ in range(10):
-        stream, deltas, position = ChatMessageStream(shape), [], 0
-        while position < len(text):
-            size = rng.randint(1, 6)
-            deltas.append(stream.feed(text[position : position + size]))
-            position += size
-        deltas.append(stream.finish())
+    for seed in range(10):
+        stream = ChatMessageStream(shape)
+        deltas = streamed(stream, text, seed, max_chunk=6)
         assert "".join(d.get("content", "") for d in deltas) == (content or "")
         assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
         assembled: dict[int, dict] = {}
@@ -114,6 +109,22 @@ def test_named_and_required_choices_set_the_constraint() -> None:
     )
     schema = params.structured_outputs.json
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+
+
+def test_required_choice_moves_the_tools_definitions_to_the_root() -> None:
+    from asyncllm.structured_output.grammar import check_structured_outputs
+
+    parameters = {
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+        "$defs": {"Unit": {"enum": ["c", "f"]}},
+    }
+    tool = {"type": "function", "function": {"name": "temp", "parameters": parameters}}
+    params = SamplingParams()
+    apply_tools({"tools": [tool, TIME], "tool_choice": "required"}, params, None, None)
+    assert params.structured_outputs.json["$defs"] == {"Unit": {"enum": ["c", "f"]}}
+    check_structured_outputs(params.structured_outputs)
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,9 @@ its whole parse."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
+from test_parsers_support import streamed
 
 from asyncllm.server.tool_parsers import TOOL_PARSERS, tool_parser
 
@@ -94,15 +94,8 @@ def test_whole_output_parses(parser, text, content, calls) -> None:
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
 def test_streams_in_random_chunks_assemble_to_the_whole_parse(parser, text, content, calls) -> None:
-    rng = random.Random(hash(text) & 0xFFFF)
-    for _ in range(20):
-        stream = tool_parser(parser).stream()
-        deltas, position = [], 0
-        while position < len(text):
-            size = rng.randint(1, 7)
-            deltas.append(stream.feed(text[position : position + size]))
-            position += size
-        deltas.append(stream.finish())
+    for seed in range(20):
+        deltas = streamed(tool_parser(parser).stream(), text, seed)
         assert "".join(d.content for d in deltas) == content
         assert calls_of([c for d in deltas for c in d.tool_calls]) == calls
 

@@ -96,17 +96,23 @@ def _mode(choice: Any, functions: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def _calls_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON array of one call or more (one only without parallel_tool_calls)."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"enum": [name]}, "arguments": parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, parameters in functions.items()
-    ]
+    """A JSON array of one call or more (one only without parallel_tool_calls). The tools'
+    definitions move to the root, where their references (#/$defs/...) point."""
+    calls, definitions = [], {}
+    for name, parameters in functions.items():
+        parameters = dict(parameters)
+        definitions.update(parameters.pop("$defs", {}))
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [name]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if definitions:
+        schema["$defs"] = definitions
     if not parallel:
         schema["maxItems"] = 1
     return schema

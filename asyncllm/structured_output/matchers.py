@@ -97,7 +97,7 @@ class GrammarMatchers:
         for request_id in request_ids:
             self._tracked.pop(request_id, None)
 
-    def bitmask(self, rows: list[ConstrainedRow]) -> TokenBitmask | None:
+    def bitmask(self, rows: list[ConstrainedRow], num_logits_rows: int) -> TokenBitmask | None:
         """The bitmask of this step's constrained rows, copied to the device without blocking."""
         if not rows:
             return None
@@ -112,6 +112,8 @@ class GrammarMatchers:
         n = len(rows)
         words = self._words[:n]
         words.copy_(self._host[:n], non_blocking=True)
+        if n == num_logits_rows:  # every row constrained, in order
+            return TokenBitmask(None, words)
         row_ids = self._row_ids[:n]
         row_ids.copy_(self._rows[:n], non_blocking=True)
         return TokenBitmask(row_ids, words)

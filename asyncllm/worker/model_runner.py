@@ -159,7 +159,10 @@ class ModelRunner:
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             # filled while the forward pass enqueued above runs
-            bitmask = self.grammar_matchers.bitmask(constrained) if constrained else None
+            bitmask = None
+            if constrained:
+                num_rows = len(inputs.sampling_rows)
+                bitmask = self.grammar_matchers.bitmask(constrained, num_rows)
             sampled = self.sampler(logits, meta, bitmask)
             self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
             ids = [

@@ -43,6 +43,16 @@ def call_from_json(value: Any, arguments_key: str = "arguments") -> ToolCall | N
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def content_before(text: str, position: int, marker: str, final: bool) -> tuple[str, int | None]:
+    """The content from position to the next marker, and where the marker starts; with no
+    marker, the content to the end (less what may still become one) and None."""
+    start = text.find(marker, position)
+    if start >= 0:
+        return text[position:start], start
+    end = len(text) if final else len(text) - held_back(text[position:], marker)
+    return text[position:end], None
+
+
 def held_back(text: str, marker: str) -> int:
     """Length of the longest end of text that could be the start of marker."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):

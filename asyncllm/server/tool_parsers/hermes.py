@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from asyncllm.server.tool_parsers.base import ToolCall, ToolParser, call_from_json, held_back
+from asyncllm.server.tool_parsers.base import ToolCall, ToolParser, call_from_json, content_before
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -15,12 +15,10 @@ class HermesToolParser(ToolParser):
         pieces: list[str | ToolCall] = []
         position = 0
         while True:
-            start = text.find(OPEN, position)
-            if start < 0:
-                end = len(text) if final else len(text) - held_back(text[position:], OPEN)
-                pieces.append(text[position:end])
+            content, start = content_before(text, position, OPEN, final)
+            pieces.append(content)
+            if start is None:
                 return pieces
-            pieces.append(text[position:start])
             close = text.find(CLOSE, start + len(OPEN))
             if close < 0 and not final:
                 return pieces

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from asyncllm.server.tool_parsers.base import ToolCall, ToolParser, held_back
+from asyncllm.server.tool_parsers.base import ToolCall, ToolParser, content_before
 from asyncllm.server.tool_parsers.json_array import decode_calls
 
 MARKER = "[TOOL_CALLS]"
@@ -17,12 +17,10 @@ class MistralToolParser(ToolParser):
         pieces: list[str | ToolCall] = []
         position = 0
         while True:
-            start = text.find(MARKER, position)
-            if start < 0:
-                end = len(text) if final else len(text) - held_back(text[position:], MARKER)
-                pieces.append(text[position:end])
+            content, start = content_before(text, position, MARKER, final)
+            pieces.append(content)
+            if start is None:
                 return pieces
-            pieces.append(text[position:start])
             decoded = decode_calls(text, start + len(MARKER))
             if decoded is None:
                 if final:
