@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime
 import importlib.util
 import json
@@ -143,9 +144,12 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         return out
 
     GrammarMatchers.bitmask = timed_bitmask
+    schemas = [StructuredOutputsParams(json=schema(i, 20)) for i in range(batch)]
+    if constrained:  # compiled ahead, so that every request is admitted at once
+        concurrent.futures.wait([core.grammar_compiler.submit(p) for p in schemas])
     rng = random.Random(1)
     for i in range(batch):
-        structured = StructuredOutputsParams(json=schema(i, 20)) if constrained else None
+        structured = schemas[i] if constrained else None
         params = SamplingParams(
             temperature=0,
             max_tokens=3 * steps,

@@ -64,7 +64,7 @@ class EngineCore:
         # request id -> parallel samples waiting for that request to compute their prompt
         self._waiting_for_prompt: dict[str, list[Request]] = {}
         # made at the first constrained request (xgrammar is an optional dependency)
-        self.grammar_compiler = None
+        self._grammar_compiler = None
         # requests held back until their structured-output grammar is compiled
         self._compiling: dict[str, _CompilingRequest] = {}
         self._grammar_failures: list[EngineCoreOutput] = []
@@ -87,7 +87,7 @@ class EngineCore:
         structured = core_request.sampling_params.structured_outputs
         source = core_request.prompt_computed_by
         if structured is not None:
-            grammar = self._grammar_compiler().submit(structured)
+            grammar = self.grammar_compiler.submit(structured)
             self._compiling[request.request_id] = _CompilingRequest(request, source, grammar)
         else:
             self._admit(request, source)
@@ -157,20 +157,22 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        if self.grammar_compiler is not None:
-            self.grammar_compiler.shutdown()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown()
         self.executor.shutdown()
 
-    def _grammar_compiler(self):
-        if self.grammar_compiler is None:
+    @property
+    def grammar_compiler(self):
+        """Compiles structured-output constraints against the model's vocabulary."""
+        if self._grammar_compiler is None:
             from asyncllm.structured_output.compiler import GrammarCompiler, tokenizer_info
 
             model = self.config.model
             vocabulary = functools.partial(
                 tokenizer_info, model.path, model.hf_config.vocab_size, list(model.eos_token_ids)
             )
-            self.grammar_compiler = GrammarCompiler(vocabulary)
-        return self.grammar_compiler
+            self._grammar_compiler = GrammarCompiler(vocabulary)
+        return self._grammar_compiler
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready go on to the scheduler; a failed compile fails its
