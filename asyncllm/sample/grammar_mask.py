@@ -1,5 +1,5 @@
-"""The grammar's hook in the sampler: tokens a constrained row's grammar forbids get -inf before
-anything else looks at the logits (raw logprobs included, as in vLLM)."""
+"""The grammars' hook in sampling: tokens a constrained row's grammar forbids get -inf before the
+sampler looks at the logits (so raw logprobs see the mask too, as in vLLM)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ import torch
 from asyncllm.outputs import TokenLogprobs
 from asyncllm.sample.edits import apply_token_edits
 from asyncllm.sample.fused import sample_fused
-from asyncllm.sample.grammar_mask import TokenBitmask, apply_token_bitmask
 from asyncllm.sample.logprobs import LogprobsTensors
 from asyncllm.sample.metadata import Penalties, SamplingMetadata
 
@@ -54,15 +53,10 @@ class Sampler:
             )
         self.logprobs_mode = logprobs_mode
 
-    def __call__(
-        self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: TokenBitmask | None = None
-    ) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] in the model's dtype -> sampled ids and requested logprobs. Unless
         every row just takes the argmax, they are widened to float32 and edited in place (in
-        the caller's tensor if it is float32 already). bitmask: the grammars' allowed tokens of
-        the constrained rows, applied first, in place."""
-        if bitmask is not None:
-            apply_token_bitmask(logits, bitmask)
+        the caller's tensor if it is float32 already)."""
         if meta.all_greedy and meta.no_processors and meta.max_num_logprobs is None:
             return SamplerOutput(logits.argmax(dim=-1), None)  # bf16 to float32 is exact
         logits = logits.float().contiguous()  # the sparse updates address it as a flat vector

@@ -23,6 +23,7 @@ from asyncllm.layers.linear import warm_up_packed_linears
 from asyncllm.models.causal_lm import CausalLM
 from asyncllm.models.loader import load_model
 from asyncllm.outputs import PromptLogprobsChunk
+from asyncllm.sample.grammar_mask import apply_token_bitmask
 from asyncllm.sample.logprobs import (
     LogprobsTensors,
     PromptSpan,
@@ -158,12 +159,12 @@ class ModelRunner:
         constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows)
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
-            # filled while the forward pass enqueued above runs
-            bitmask = None
+            # the grammars' allowed tokens, filled while the forward pass enqueued above runs,
+            # masked before the sampler processes the logits
             if constrained:
                 num_rows = len(inputs.sampling_rows)
-                bitmask = self.grammar_matchers.bitmask(constrained, num_rows)
-            sampled = self.sampler(logits, meta, bitmask)
+                apply_token_bitmask(logits, self.grammar_matchers.bitmask(constrained, num_rows))
+            sampled = self.sampler(logits, meta)
             self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
             ids = [
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
