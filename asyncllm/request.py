@@ -47,6 +47,9 @@ class Request:
     # token ids of each of sampling_params.bad_words, filled by the input processor
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    # the compiled grammar of sampling_params.structured_outputs (an xgrammar CompiledGrammar),
+    # set by the engine core before the request is scheduled
+    grammar: object | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

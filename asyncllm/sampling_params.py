@@ -11,6 +11,43 @@ _GREEDY_EPS = 1e-5
 _MAX_ABS_LOGIT_BIAS = 100.0
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured_outputs: exactly one constraint on the output (json_object: any JSON
+    object). json is a JSON schema, as a dict or its text."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF)
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice))
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValidationError(
+                f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}; got "
+                f"{', '.join(given) or 'none'}.",
+                "structured_outputs",
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValidationError(
+                "structured_outputs.choice must be a non-empty array of strings.",
+                "structured_outputs.choice",
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output holds everything generated so far
     DELTA = 1  # every output holds only what is new since the previous one
@@ -42,6 +79,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +94,9 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        if isinstance(self.structured_outputs, dict):
+            known = {k: v for k, v in self.structured_outputs.items() if k in _CONSTRAINTS}
+            self.structured_outputs = StructuredOutputsParams(**known)
         self._validate()
 
     def _validate(self) -> None:

@@ -20,7 +20,9 @@ from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.engine.heap import freeze_startup_objects
 from asyncllm.server.app import STATE, AccessLogger, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
+from asyncllm.server.reasoning_parsers import REASONING_PARSERS
 from asyncllm.server.response_store import ResponseStoreError, open_response_store
+from asyncllm.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("asyncllm.serve")
 _FAREWELL_S = 2.0  # after the shutdown timeout: time for the streams to send their error event
@@ -115,6 +117,18 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=int,
         default=defaults.engine_restarts_per_minute,
         help="past this many restarts in 60 s a dead engine stays down, /health 503",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format, for tool_choice auto",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="keep <think> reasoning apart, in reasoning_content",
     )
     _add_engine_args(parser.add_argument_group("engine"))
     return parser

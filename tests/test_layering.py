@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"kernels"},
     "attention": {"layers", "kernels"},
     "sample": {"kernels", "sampling_params", "outputs"},
+    "structured_output": {"sample", "sampling_params", "errors"},
     "models": {"attention", "layers", "config", "model_files"},
     "core": {"config", "request", "sampling_params", "outputs"},
     "worker": {
@@ -34,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "outputs",
         "sampling_params",
+        "structured_output",
     },
     "executor": {"worker", "core", "config"},
     "engine": {
@@ -45,6 +47,7 @@ ALLOWED: dict[str, set[str]] = {
         "sampling_params",
         "errors",
         "debugging",
+        "structured_output",
     },
     "server": {
         "engine",
@@ -54,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
         "model_files",
         "errors",
         "debugging",
+        "structured_output",
     },
 }
 ENTRY_POINTS = {"asyncllm", "cli", "serve"}  # may import anything

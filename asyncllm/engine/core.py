@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ from asyncllm.executor import Executor, create_executor
 from asyncllm.executor.abstract import ExecutorDied
 from asyncllm.request import Request, RequestStatus
 
+# how long an engine with nothing else to do waits for a grammar before looking at its inbox
+_GRAMMAR_POLL_S = 0.05
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,6 +43,13 @@ logger = logging.getLogger(__name__)
 class _LaunchedStep:
     scheduler_output: SchedulerOutput
     future: concurrent.futures.Future[ModelRunnerOutput]
+
+
+@dataclass
+class _CompilingRequest:
+    request: Request
+    prompt_computed_by: str | None
+    grammar: concurrent.futures.Future
 
 
 class EngineCore:
@@ -59,6 +70,11 @@ class EngineCore:
         self._log_steps = log_scheduler()
         folder = profiler_dir(config.args.profiler_dir)
         self.profiler = CoreProfiler(folder) if folder else None
+        # made at the first constrained request (xgrammar is an optional dependency)
+        self._grammar_compiler = None
+        # requests held back until their structured-output grammar is compiled
+        self._compiling: dict[str, _CompilingRequest] = {}
+        self._grammar_failures: list[EngineCoreOutput] = []
 
     @property
     def capacity(self) -> KVCapacity:
@@ -76,7 +92,15 @@ class EngineCore:
             arrival_time=core_request.arrival_time,
         )
         logger.debug("request %s: in the core", request.request_id)
+        structured = core_request.sampling_params.structured_outputs
         source = core_request.prompt_computed_by
+        if structured is not None:
+            grammar = self.grammar_compiler.submit(structured)
+            self._compiling[request.request_id] = _CompilingRequest(request, source, grammar)
+        else:
+            self._admit(request, source)
+
+    def _admit(self, request: Request, source: str | None) -> None:
         if source is not None and not self._prompt_computed(source):
             self._waiting_for_prompt.setdefault(source, []).append(request)
         else:
@@ -93,6 +117,8 @@ class EngineCore:
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         logger.debug("requests %s: %s from the front end", request_ids, status.name)
         ids = set(request_ids)
+        for request_id in ids & self._compiling.keys():
+            del self._compiling[request_id]
         for source, waiting in list(self._waiting_for_prompt.items()):
             kept = [r for r in waiting if r.request_id not in ids]
             if kept:
@@ -108,19 +134,25 @@ class EngineCore:
             self.scheduler.has_unfinished_requests()
             or bool(self._in_flight)
             or bool(self._waiting_for_prompt)
+            or bool(self._compiling)
+            or bool(self._grammar_failures)
         )
 
     def step(self) -> CoreStep:
         """Launches steps until `depth` are in flight (or nothing more can be scheduled), then
         finishes the oldest, blocking this thread until its output is on the host."""
+        self._admit_compiled()
         while len(self._in_flight) < self.depth and (launched := self._launch()) is not None:
             self._in_flight.append(launched)
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._grammar_failures = self._grammar_failures, []
         num_tokens: list[int] = []
         if self._in_flight:
             finished = self._in_flight.popleft()
-            outputs = self._finish(finished)
+            outputs += self._finish(finished)
             num_tokens = [finished.scheduler_output.total_num_scheduled_tokens]
+        elif self._compiling and not outputs:
+            grammars = [c.grammar for c in self._compiling.values()]
+            concurrent.futures.wait(grammars, _GRAMMAR_POLL_S, concurrent.futures.FIRST_COMPLETED)
         first_scheduled, self._first_scheduled = self._first_scheduled, {}
         return CoreStep(outputs, self.stats(), self.has_work(), first_scheduled, num_tokens)
 
@@ -138,6 +170,8 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.profiler is not None:
             self.profiler.stop()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown()
         self.executor.shutdown()
 
     def _profile(self, start: bool) -> None:
@@ -147,6 +181,36 @@ class EngineCore:
             self.profiler.start()
         else:
             self.profiler.stop()
+
+    @property
+    def grammar_compiler(self):
+        """Compiles structured-output constraints against the model's vocabulary."""
+        if self._grammar_compiler is None:
+            from asyncllm.structured_output.compiler import GrammarCompiler, tokenizer_info
+
+            model = self.config.model
+            vocabulary = functools.partial(
+                tokenizer_info, model.path, model.hf_config.vocab_size, list(model.eos_token_ids)
+            )
+            self._grammar_compiler = GrammarCompiler(vocabulary)
+        return self._grammar_compiler
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready go on to the scheduler; a failed compile fails its
+        request."""
+        for request_id, compiling in list(self._compiling.items()):
+            if not compiling.grammar.done():
+                continue
+            del self._compiling[request_id]
+            error = compiling.grammar.exception()
+            if error is not None:
+                message = f"structured_outputs: {type(error).__name__}: {error}"
+                self._grammar_failures.append(
+                    EngineCoreOutput(request_id, [], "error", None, error=message)
+                )
+                continue
+            compiling.request.grammar = compiling.grammar.result()
+            self._admit(compiling.request, compiling.prompt_computed_by)
 
     def _launch(self) -> _LaunchedStep | None:
         scheduler_output = self.scheduler.schedule()

@@ -145,6 +145,13 @@ class InputProcessor:
                 )
         if params.bad_words and self.tokenizer is None:
             raise ValidationError("bad_words: this model has no tokenizer.", "bad_words")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                message = "structured_outputs: this model has no tokenizer."
+                raise ValidationError(message, "structured_outputs")
+            from asyncllm.structured_output.grammar import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it reads alone and after a space (vLLM does the same): BPE tokenizers

@@ -29,6 +29,8 @@ class ServerArgs:
     keep_alive_timeout: float = 75.0
     engine_restart: bool = True  # a dead engine core is replaced by a new one
     engine_restarts_per_minute: int = 3  # past this, a dead engine stays down (/health 503)
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral: reads tool calls
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: reasoning_content apart
 
     @classmethod
     def from_namespace(cls, namespace: Any) -> ServerArgs:

@@ -212,6 +212,28 @@ RESPONSES_FIELDS = (
     Field("metadata", "object", "string pairs stored with the response", routes=_RESPONSES),
 )
 
+_STRUCTURED_OUTPUTS = (
+    Field("json", ("object", "string"), "a JSON schema the output follows"),
+    Field("regex", "string", "a regular expression the whole output matches"),
+    Field("choice", "array", "the output is one of these strings", items="string"),
+    Field("grammar", "string", "an EBNF grammar the output follows"),
+    Field("json_object", "boolean", "the output is a JSON object"),
+)
+_RESPONSE_FORMAT = (
+    Field(
+        "type",
+        "string",
+        "text, json_object or json_schema",
+        required=True,
+        schema={"type": "string", "enum": ["text", "json_object", "json_schema"]},
+    ),
+    Field(
+        "json_schema",
+        "object",
+        "with type json_schema: name, schema (the JSON schema the output follows) and strict",
+    ),
+)
+
 FIELDS: tuple[Field, ...] = (
     Field(
         "prompt",
@@ -413,6 +435,39 @@ FIELDS: tuple[Field, ...] = (
         "words the output must not contain",
         param="bad_words",
         items="string",
+    ),
+    Field(
+        "tools",
+        "array",
+        "functions the model may call, rendered by the chat template",
+        routes=(CHAT,),
+        items="object",
+    ),
+    Field(
+        "tool_choice",
+        ("string", "object"),
+        "none, auto (needs --tool-call-parser), required, or {type: function, function: {name}}",
+        routes=(CHAT,),
+    ),
+    Field(
+        "parallel_tool_calls",
+        "boolean",
+        "with tool_choice required, the reply may call more than one function",
+        routes=(CHAT,),
+        default=True,
+    ),
+    Field(
+        "response_format",
+        "object",
+        "OpenAI's structured outputs: a JSON object, or JSON following a schema",
+        members=_RESPONSE_FORMAT,
+    ),
+    Field(
+        "structured_outputs",
+        "object",
+        "vLLM's structured outputs: exactly one of json, regex, choice, grammar, json_object",
+        param="structured_outputs",
+        members=_STRUCTURED_OUTPUTS,
     ),
     Field(
         "chat_template_kwargs",

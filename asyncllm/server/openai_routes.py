@@ -38,6 +38,7 @@ from asyncllm.server.streaming import (
     serve_websocket,
     write_sse,
 )
+from asyncllm.server.tools import apply_tools, template_messages
 
 _PARSERS = {"completions": parse_completion, "chat": parse_chat}
 # WebSocket frames may name the endpoint by its path too
@@ -160,7 +161,22 @@ class OpenAIRoutes:
             )
         self._check_prompt_chars(req)
         self._check_chat_template_kwargs(req.chat_template_kwargs)
+        if req.kind == "chat":
+            self._shape_reply(req)
         return req
+
+    def _shape_reply(self, req: GenerationRequest) -> None:
+        """Tools for the template, tool_choice's constraint, and how the reply is read."""
+        args = self.state.args
+        try:
+            req.message_shape, tools = apply_tools(
+                req.tool_fields, req.params, args.tool_call_parser, args.reasoning_parser
+            )
+        except ValueError as e:
+            raise from_validation_error(e) from e
+        if tools is not None:
+            req.chat_template_kwargs = {**req.chat_template_kwargs, "tools": tools}
+        req.messages = template_messages(req.messages or [])
 
     def _check_prompt_chars(self, req: GenerationRequest) -> None:
         limit = self.state.max_prompt_chars

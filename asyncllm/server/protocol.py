@@ -16,6 +16,7 @@ import orjson
 from asyncllm.engine.input_processor import PromptType
 from asyncllm.errors import ValidationError
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.server.chat_message import MessageShape
 from asyncllm.server.fields import (
     CHAT,
     COMPLETIONS,
@@ -26,6 +27,7 @@ from asyncllm.server.fields import (
     fields_for,
     is_json_type,
 )
+from asyncllm.server.structured_outputs import check_constraint, from_response_format
 
 
 class ProtocolError(Exception):
@@ -114,6 +116,9 @@ class GenerationRequest:
     echo_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated
     max_tokens_field: str | None = None  # the field that set max_tokens; None: left out
     timeout: float | None = None  # seconds the whole request may take, queue included
+    # chat: tools, tool_choice and parallel_tool_calls as given, and the reply's shape
+    tool_fields: dict[str, Any] = field(default_factory=dict)
+    message_shape: MessageShape = field(default_factory=MessageShape)
 
     @property
     def num_choices(self) -> int:
@@ -159,9 +164,13 @@ def parse_chat(body: dict[str, Any], vocab_size: int | None = None) -> Generatio
         chat_template_kwargs=values.get("chat_template_kwargs", {}),
         template=_template_options(values, messages),
         echo=values.get("echo", False),
+        tool_fields={k: values[k] for k in _TOOL_FIELDS if k in values},
         logprobs=params.logprobs,
         **_common(values, params),
     )
+
+
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def _whole_vocabulary(values: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
@@ -342,8 +351,15 @@ def _sampling_params(values: dict[str, Any], route: str, **overrides: Any) -> Sa
             kwargs[f.param] = value
     stream = values.get("stream", False)
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    response_format = values.get("response_format")
     try:
-        return SamplingParams(**{**kwargs, **overrides})
+        if response_format is not None:
+            kwargs["structured_outputs"] = from_response_format(
+                response_format, kwargs.get("structured_outputs")
+            )
+        params = SamplingParams(**{**kwargs, **overrides})
+        check_constraint(params, (response_format or {}).get("type") not in (None, "text"))
+        return params
     except ValueError as e:
         raise from_validation_error(e) from e
 

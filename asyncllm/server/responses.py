@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from asyncllm.outputs import CompletionOutput, RequestOutput
+from asyncllm.server.chat_message import ChatMessageStream, message
 from asyncllm.server.logprobs import CompletionLogprobs, Entry, LogprobFormatter
 from asyncllm.server.protocol import GenerationRequest
 
@@ -49,6 +50,8 @@ class ChunkBuilder:
         self.text_offsets: dict[int, int] = {}  # per choice, where its next token starts
         self.prompt_logprobs: dict[int, list[Entry | None]] = {}  # per prompt, once they came
         self.prompt_logprobs_sent: set[int] = set()  # choice indices
+        self.shaped = self.chat and not req.message_shape.plain
+        self.messages: dict[int, ChatMessageStream] = {}  # per choice, with self.shaped
 
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         output = self._visible(prompt_index, output)
@@ -72,12 +75,36 @@ class ChunkBuilder:
         if echo:
             text = self._echo_text(output) + text
         logprobs = self._logprobs(index, prompt_index, output, completion, echo)
+        if self.shaped:
+            return chunks + self._shaped_chunks(index, prompt_index, text, logprobs, completion)
         if text or logprobs is not None:
             delta = {"content": text} if self.chat else text
             chunks.append(self._chunk(index, prompt_index, delta, logprobs))
         if completion.finish_reason is not None:
             empty = {} if self.chat else ""
             chunks.append(self._chunk(index, prompt_index, empty, None, completion))
+        return chunks
+
+    def _shaped_chunks(
+        self,
+        index: int,
+        prompt_index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        completion: CompletionOutput,
+    ) -> list[dict[str, Any]]:
+        """Chat deltas with reasoning_content and tool_calls apart from the content."""
+        stream = self.messages.setdefault(index, ChatMessageStream(self.req.message_shape))
+        chunks = []
+        delta = stream.feed(text)
+        if delta or logprobs is not None:
+            chunks.append(self._chunk(index, prompt_index, delta, logprobs))
+        if completion.finish_reason is not None:
+            rest = stream.finish()
+            if rest:
+                chunks.append(self._chunk(index, prompt_index, rest))
+            finished = _called(completion) if stream.called else completion
+            chunks.append(self._chunk(index, prompt_index, {}, None, finished))
         return chunks
 
     def _chunk(
@@ -127,7 +154,11 @@ class ChunkBuilder:
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         text = (self._echo_text(output) if self.req.echo else "") + completion.text
-        if self.chat:
+        if self.shaped:
+            choice["message"] = message(self.req.message_shape, text)
+            if choice["message"].get("tool_calls"):
+                completion = _called(completion)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -215,6 +246,13 @@ class ChunkBuilder:
         for token_id, entry in zip(token_ids, entries):
             self.logprobs.add_completion(logprobs, token_id, entry)
         logprobs.offset = len(self._prompt_text(output))
+
+
+def _called(completion: CompletionOutput) -> CompletionOutput:
+    """A reply that ended with tool calls finishes with reason tool_calls, as OpenAI's do."""
+    if completion.finish_reason != "stop":
+        return completion
+    return replace(completion, finish_reason="tool_calls")
 
 
 def _without_tokens(completion: CompletionOutput) -> CompletionOutput:

@@ -23,6 +23,7 @@ from asyncllm.layers.linear import warm_up_packed_linears
 from asyncllm.models.causal_lm import CausalLM
 from asyncllm.models.loader import load_model
 from asyncllm.outputs import PromptLogprobsChunk
+from asyncllm.sample.grammar_mask import apply_token_bitmask
 from asyncllm.sample.logprobs import (
     LogprobsTensors,
     PromptSpan,
@@ -119,6 +120,8 @@ class ModelRunner:
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
             self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
+            # made at the first constrained request (xgrammar is an optional dependency)
+            self.grammar_matchers = None
             self.input_batch = InputBatch(
                 max_num_reqs=scheduler.max_num_seqs,
                 max_num_tokens=scheduler.max_num_batched_tokens,
@@ -147,13 +150,20 @@ class ModelRunner:
         self._forget(scheduler_output.finished_req_ids)
         # a preempted request's token in flight is dropped: its history restarts from the host
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
+        self._forget_grammars(scheduler_output.preempted_req_ids)
         prompt_spans = self._prompt_spans(scheduler_output)
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans))
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         hidden, logits = self._forward(plan, inputs)
         sampled = meta = None
+        constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows)
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
+            # the grammars' allowed tokens, filled while the forward pass enqueued above runs,
+            # masked before the sampler processes the logits
+            if constrained:
+                num_rows = len(inputs.sampling_rows)
+                apply_token_bitmask(logits, self.grammar_matchers.bitmask(constrained, num_rows))
             sampled = self.sampler(logits, meta)
             self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
             ids = [
@@ -168,13 +178,16 @@ class ModelRunner:
             prompt_logprobs = compute_prompt_logprobs(
                 hidden, prompt_spans, self.model.compute_logits
             )
+        done = self._record_event()
+        if constrained:
+            self.grammar_matchers.record_sampled(constrained, sampled.sampled_token_ids, done)
         return LaunchedModelStep(
             len(scheduler_output.scheduled),
             inputs.sampling_rows,
             sampled,
             meta,
             prompt_logprobs,
-            self._record_event(),
+            done,
         )
 
     def _forward(
@@ -244,6 +257,24 @@ class ModelRunner:
     def _forget(self, request_ids: set[str]) -> None:
         self.input_batch.remove_requests(request_ids)
         self.sampling_state.forget(request_ids)
+        self._forget_grammars(request_ids)
+
+    def _forget_grammars(self, request_ids: set[str]) -> None:
+        if self.grammar_matchers is not None:
+            self.grammar_matchers.forget(request_ids)
+
+    def _constrained_rows(self, scheduler_output: SchedulerOutput, rows: list[int]) -> list:
+        """The ConstrainedRows of the requests with a structured-output grammar."""
+        scheduled = [scheduler_output.scheduled[r] for r in rows]
+        if all(s.request.grammar is None for s in scheduled):
+            return []
+        from asyncllm.structured_output.matchers import GrammarMatchers, constrained_rows
+
+        if self.grammar_matchers is None:
+            vocab_size = self.config.model.hf_config.vocab_size
+            max_rows = self.config.scheduler.max_num_seqs
+            self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device)
+        return constrained_rows(scheduled)
 
     def _bytes_per_block(self) -> int:
         dtype = self.config.model.dtype
