@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from asyncllm.model_files.generation_config import sampling_defaults
 from asyncllm.model_files.model_path import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,6 +45,10 @@ class EngineArgs:
     engine_process: bool | None = None
     seed: int = 0
     max_logprobs: int = 20
+    # where the defaults of the sampling fields a request leaves out come from (vLLM's flag):
+    # auto (the model's generation_config.json), vllm (SamplingParams' own) or a path
+    generation_config: str = "auto"
+    override_generation_config: str | None = None  # JSON laid over them, e.g. '{"temperature": 0}'
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_args(self)
@@ -86,6 +92,7 @@ class ModelConfig:
     enforce_eager: bool
     seed: int
     max_logprobs: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:
@@ -111,6 +118,9 @@ class ModelConfig:
             enforce_eager=args.enforce_eager,
             seed=args.seed,
             max_logprobs=args.max_logprobs,
+            sampling_defaults=sampling_defaults(
+                path, args.generation_config, args.override_generation_config
+            ),
         )
 
 

@@ -115,7 +115,8 @@ class OpenAIRoutes:
                     yield chunk
 
     def _parse(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest:
-        req = _PARSERS[endpoint](body, self.engine.input_processor.vocab_size)
+        defaults = self.engine.config.model.sampling_defaults
+        req = _PARSERS[endpoint](body, self.engine.input_processor.vocab_size, defaults)
         if req.model is not None and req.model not in self.state.model_names:
             raise ProtocolError(
                 f"The model `{req.model}` does not exist.",
