@@ -18,7 +18,8 @@ from aiohttp import web
 from asyncllm.config import EngineArgs
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.engine.heap import freeze_startup_objects
-from asyncllm.server.app import STATE, AccessLogger, ServerArgs, build_app
+from asyncllm.server.access_log import ACCESS_LOGGER, AccessLogger
+from asyncllm.server.app import STATE, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
 
 logger = logging.getLogger("asyncllm.serve")
@@ -119,7 +120,7 @@ async def serve(namespace: argparse.Namespace) -> None:
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler: abort
         access_log_class=AccessLogger,
-        access_log=logging.getLogger("asyncllm.access"),
+        access_log=logging.getLogger(ACCESS_LOGGER),
         shutdown_timeout=1.0,
     )
     await runner.setup()

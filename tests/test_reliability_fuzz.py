@@ -353,8 +353,9 @@ def test_openapi_describes_every_route(spec, connection) -> None:
         for method in operations:
             connection.request(method.upper(), path, b"{}" if method == "post" else None)
             response = connection.getresponse()
-            response.read()
-            assert response.status != 404, (method, path)
+            body = response.read()
+            # a route with a path parameter ({model}) exists, and its 404 names the model
+            assert response.status != 404 or b"model_not_found" in body, (method, path)
 
 
 @settings(FUZZ, max_examples=EXAMPLES * 2 // 3)

@@ -19,6 +19,7 @@ from aiohttp import WSMsgType, web
 
 from asyncllm.engine.async_llm import EngineDeadError
 from asyncllm.errors import ValidationError
+from asyncllm.server.access_log import DROPPED
 from asyncllm.server.protocol import ProtocolError, from_validation_error
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ async def write_sse(request: web.Request, chunks: ChunkStream) -> web.StreamResp
                 await response.write(sse_event(item))
                 item = await anext(chunks, _END)
         except ConnectionResetError:
+            request[DROPPED] = True
             return response  # the client went away: aclosing aborts the request
         except Exception as e:
             await response.write(sse_event(error_for(e).body()))
@@ -214,6 +216,7 @@ class WebSocketSession:
         if request_id in self.tasks:
             error = ProtocolError(f"request id {request_id!r} is already in flight.", param="id")
             await self._send_error(request_id, error)
+            await self._send({"type": "done", "id": request_id})
             return
         if not isinstance(body, dict):
             error = ProtocolError("body must be an object.", param="body")
@@ -244,8 +247,10 @@ class WebSocketSession:
 
     async def _cancel(self, request_id: str) -> None:
         task = self.tasks.pop(request_id, None)
-        if task is None:
-            return  # already finished: its done frame went out
+        if task is None:  # never started, or finished: its done frame went out
+            error = ProtocolError(f"no request {request_id!r} is in flight.", param="id")
+            await self._send_error(request_id, error)
+            return
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await self._send({"type": "done", "id": request_id, "cancelled": True})
