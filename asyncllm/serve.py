@@ -10,7 +10,9 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
+import time
 
 import uvloop
 from aiohttp import web
@@ -23,6 +25,7 @@ from asyncllm.server.app import STATE, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
 
 logger = logging.getLogger("asyncllm.serve")
+_BACKLOG = 1024
 _FAREWELL_S = 2.0  # after the shutdown timeout: time for the streams to send their error event
 
 
@@ -108,12 +111,29 @@ def configure_logging() -> None:
     )
 
 
-async def serve(namespace: argparse.Namespace) -> None:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before the model loads so that a busy port fails at once;
+    connections that come during the load wait in its backlog."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(namespace: argparse.Namespace, sock: socket.socket) -> None:
     server_args = ServerArgs.from_namespace(namespace)
     loop = asyncio.get_running_loop()
     engine_args = engine_args_from(namespace)
+    started = time.perf_counter()
     logger.info("loading the model: %s", engine_args.model or "the default model")
     engine = await loop.run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
+    logger.info("model loaded in %.1f s", time.perf_counter() - started)
     app = build_app(engine, server_args)
     freeze_startup_objects()
     runner = web.AppRunner(
@@ -124,9 +144,9 @@ async def serve(namespace: argparse.Namespace) -> None:
         shutdown_timeout=1.0,
     )
     await runner.setup()
-    site = web.TCPSite(runner, server_args.host, server_args.port)
+    site = web.SockSite(runner, sock)
     await site.start()
-    host, port = runner.addresses[0][:2]
+    host, port = sock.getsockname()[:2]
     print(f"asyncllm: serving {app[STATE].model_name} on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -150,7 +170,13 @@ async def serve(namespace: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     namespace = make_parser(prog).parse_args(argv)
     configure_logging()
-    uvloop.run(serve(namespace))
+    try:
+        sock = bind_socket(namespace.host, namespace.port)
+    except OSError as e:
+        where = f"{namespace.host}:{namespace.port}"
+        sys.exit(f"asyncllm: cannot listen on {where}: {e.strerror or e} (--port picks another)")
+    logger.info("listening on %s:%d", *sock.getsockname()[:2])
+    uvloop.run(serve(namespace, sock))
 
 
 if __name__ == "__main__":
