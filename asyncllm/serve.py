@@ -29,22 +29,69 @@ _BACKLOG = 1024
 _FAREWELL_S = 2.0  # after the shutdown timeout: time for the streams to send their error event
 
 
+# the help of each EngineArgs flag (a test keeps one for every field)
+ENGINE_FLAG_HELP = {
+    "model": "Hugging Face folder or .gguf file (None: the default SmolLM2-135M-Instruct)",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
+    "device": "auto (cuda when there is one), cpu or cuda",
+    "load_format": "auto (the folder's safetensors) or dummy (random weights, for benchmarks)",
+    "max_model_len": "the longest sequence, prompt and output (None: the model's limit)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory": "bytes for the KV cache (None: on CUDA what --gpu-memory-utilization "
+    "leaves; on CPU what max_num_seqs x max_model_len can use, at most 256 MiB but one whole "
+    "sequence at least)",
+    "gpu_memory_utilization": "the share of GPU memory the engine may take, KV cache included",
+    "num_kv_blocks": "an exact KV block count, over the memory settings",
+    "max_num_seqs": "requests in one engine step",
+    "max_num_batched_tokens": "tokens in one engine step",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "take a long prompt in over several steps",
+    "long_prefill_token_threshold": "the most prompt tokens one request computes per step "
+    "(0: no cap), so that long prompts stall the streams beside them less",
+    "scheduling_policy": "fcfs or priority (a request's priority field, lower first)",
+    "attention_backend": "auto (triton on CUDA, torch on CPU), torch or triton",
+    "enforce_eager": "no CUDA graphs",
+    "async_scheduling": "schedule step N+1 while step N runs (None: on with a GPU)",
+    "engine_process": "run the engine core in a process of its own (None: on with a GPU)",
+    "seed": "the engine's random seed (requests without one of their own)",
+    "max_logprobs": "the most logprobs a request may ask for",
+    "generation_config": "the defaults of the sampling fields a request leaves out: auto "
+    "(the model's generation_config.json), vllm (none: SamplingParams' own) or a path",
+    "override_generation_config": "JSON laid over those defaults, e.g. "
+    '\'{"temperature": 0, "max_new_tokens": 64}\'',
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help says it already (--api-key: never the key)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     server = parser.add_argument_group("server")
     defaults = ServerArgs()
-    server.add_argument("--host", default=defaults.host)
+    server.add_argument("--host", default=defaults.host, help="the address to listen on")
     server.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
     server.add_argument(
         "--api-key",
         default=os.environ.get("ASYNCLLM_API_KEY"),
-        help="require Authorization: Bearer KEY (default $ASYNCLLM_API_KEY); /health and "
+        help="require Authorization: Bearer KEY (default: $ASYNCLLM_API_KEY); /health and "
         "/metrics stay open",
     )
-    server.add_argument("--served-model-name", default=None, help="the name /v1/models lists")
+    server.add_argument(
+        "--served-model-name", default=None, help="the name /v1/models lists (None: --model)"
+    )
     server.add_argument("--root-path", default="", help="serve every route under this prefix")
     server.add_argument(
-        "--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes
+        "--max-request-body-bytes",
+        type=int,
+        default=defaults.max_request_body_bytes,
+        help="larger bodies get 413",
     )
     server.add_argument(
         "--max-concurrent-requests",
@@ -89,13 +136,15 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     """One flag per EngineArgs field, typed from its default (vLLM's flag names)."""
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
+        text = ENGINE_FLAG_HELP.get(f.name, "")
         if str(f.type).startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, default=f.default, help=text)
         elif isinstance(f.default, int | float):
-            group.add_argument(flag, type=type(f.default), default=f.default)
+            group.add_argument(flag, type=type(f.default), default=f.default, help=text)
         else:
             kind = int if str(f.type).startswith("int") else str
-            group.add_argument(flag, type=kind, default=f.default)
+            group.add_argument(flag, type=kind, default=f.default, help=text)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
