@@ -63,7 +63,7 @@ def healthy(base: str) -> bool:
 
 
 def ask(base: str) -> tuple[str, float]:
-    body = json.dumps({"messages": QUESTION}).encode()
+    body = json.dumps({"messages": QUESTION, "temperature": 0}).encode()
     request = urllib.request.Request(
         f"{base}/v1/chat/completions", body, {"Content-Type": "application/json"}
     )
