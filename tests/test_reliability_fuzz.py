@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -351,10 +352,11 @@ def test_openapi_describes_every_route(spec, connection) -> None:
     assert spec["openapi"].startswith("3.")
     for path, operations in spec["paths"].items():
         for method in operations:
-            connection.request(method.upper(), path, b"{}" if method == "post" else None)
+            # a path parameter ({model}) gets a value; its route's 404 names what was not found
+            url = re.sub(r"\{\w+\}", "unknown", path)
+            connection.request(method.upper(), url, b"{}" if method == "post" else None)
             response = connection.getresponse()
             body = response.read()
-            # a route with a path parameter ({model}) exists, and its 404 names the model
             assert response.status != 404 or b"model_not_found" in body, (method, path)
 
 
