@@ -23,10 +23,11 @@ $(VENV)/.installed: pyproject.toml
 model: install
 	$(PY) -c "from asyncllm.model_files.model_path import resolve_model_path; print(resolve_model_path(None))"
 
-serve: model
+# the server converts the default model itself on its first start (one Python start, not two)
+serve: install
 	$(PY) -m asyncllm.serve --host $(HOST) --port $(PORT)
 
-chat: model
+chat: install
 	$(PY) -m asyncllm.cli chat
 
 test: model

@@ -1,27 +1,53 @@
-"""`asyncllm serve | chat | bench`.
-
-serve: the OpenAI-compatible server (same flags as `python -m asyncllm.serve`).
-chat:  a small interactive conversation with a model through LLM.chat.
-bench: bench/throughput.py's main, with the remaining flags.
-"""
+"""`asyncllm serve | chat | bench throughput | bench serve`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import sys
 from pathlib import Path
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench" / "throughput.py"
+_COMMANDS = {
+    "serve": "the OpenAI-compatible server (same flags as python -m asyncllm.serve)",
+    "chat": "a conversation with a model in the terminal, through LLM.chat",
+    "bench throughput": "offline throughput against the floor and HF (bench/throughput.py; "
+    "plain `bench` runs it too)",
+    "bench serve": "an HTTP load generator against a running server (bench/serving.py)",
+}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncllm",
+        description="An LLM inference engine and OpenAI-compatible server. "
+        "`asyncllm COMMAND --help` lists a command's flags.",
+    )
+    parser.add_argument("--version", action="version", version=f"asyncllm {version()}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, text in _COMMANDS.items():
+        commands.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("asyncllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"serve": _serve, "chat": _chat, "bench": _bench}
-    if not argv or argv[0] not in commands:
-        print(__doc__.strip(), file=sys.stderr)
-        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    commands[argv[0]](argv[1:])
+    if argv and argv[0] in commands:
+        commands[argv[0]](argv[1:])  # each command parses (and documents) its own flags
+        return
+    parser = make_parser()
+    parser.parse_args(argv)  # --help and --version exit here, an unknown command with an error
+    parser.print_help(sys.stderr)
+    sys.exit(2)
 
 
 def _serve(argv: list[str]) -> None:
@@ -31,20 +57,27 @@ def _serve(argv: list[str]) -> None:
 
 
 def _chat(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="asyncllm chat", description="chat with a model")
-    parser.add_argument("--model", default=None, help="HF folder or GGUF (default: SmolLM2-135M)")
+    parser = argparse.ArgumentParser(
+        prog="asyncllm chat",
+        description="chat with a model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="HF folder or GGUF (None: SmolLM2-135M)")
     parser.add_argument("--system", default=None, help="a system prompt")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="reply length (None: the model's default)"
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="None: the model's default")
+    parser.add_argument("--seed", type=int, default=None, help="for reproducible replies")
     args = parser.parse_args(argv)
 
-    from asyncllm import LLM, SamplingParams
+    from asyncllm import LLM
 
     llm = LLM(model=args.model)
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-    )
+    params = llm.get_default_sampling_params()
+    params.seed = args.seed
+    params.temperature = params.temperature if args.temperature is None else args.temperature
+    params.max_tokens = params.max_tokens if args.max_tokens is None else args.max_tokens
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("an empty line or Ctrl-D ends the chat", file=sys.stderr)
     while True:
@@ -73,6 +106,7 @@ def _bench(argv: list[str]) -> None:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     sys.argv = [str(script), *argv]
+    print(f"asyncllm bench {name}: {script}", file=sys.stderr)
     module.main()
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from asyncllm.model_files.generation_config import sampling_defaults
 from asyncllm.model_files.model_path import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +48,10 @@ class EngineArgs:
     # the engine core's torch profiler traces go here (POST /start_profile, /stop_profile);
     # None: $ASYNCLLM_TORCH_PROFILER_DIR, else profiling is off
     profiler_dir: str | None = None
+    # where the defaults of the sampling fields a request leaves out come from (vLLM's flag):
+    # auto (the model's generation_config.json), vllm (SamplingParams' own) or a path
+    generation_config: str = "auto"
+    override_generation_config: str | None = None  # JSON laid over them, e.g. '{"temperature": 0}'
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_args(self)
@@ -89,6 +95,7 @@ class ModelConfig:
     enforce_eager: bool
     seed: int
     max_logprobs: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:
@@ -114,6 +121,9 @@ class ModelConfig:
             enforce_eager=args.enforce_eager,
             seed=args.seed,
             max_logprobs=args.max_logprobs,
+            sampling_defaults=sampling_defaults(
+                path, args.generation_config, args.override_generation_config
+            ),
         )
 
 

@@ -10,6 +10,9 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
+import sys
+import time
 
 import uvloop
 from aiohttp import web
@@ -18,32 +21,83 @@ from asyncllm.config import EngineArgs
 from asyncllm.debugging import configure_logging, start_function_trace
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.engine.heap import freeze_startup_objects
-from asyncllm.server.app import STATE, AccessLogger, ServerArgs, build_app
+from asyncllm.server.access_log import ACCESS_LOGGER, AccessLogger
+from asyncllm.server.app import STATE, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
 from asyncllm.server.reasoning_parsers import REASONING_PARSERS
 from asyncllm.server.response_store import ResponseStoreError, open_response_store
 from asyncllm.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("asyncllm.serve")
+_BACKLOG = 1024
 _FAREWELL_S = 2.0  # after the shutdown timeout: time for the streams to send their error event
 
 
+# the help of each EngineArgs flag (a test keeps one for every field)
+ENGINE_FLAG_HELP = {
+    "model": "Hugging Face folder or .gguf file (None: the default SmolLM2-135M-Instruct)",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
+    "device": "auto (cuda when there is one), cpu or cuda",
+    "load_format": "auto (the folder's safetensors) or dummy (random weights, for benchmarks)",
+    "max_model_len": "the longest sequence, prompt and output (None: the model's limit)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory": "bytes for the KV cache (None: on CUDA what --gpu-memory-utilization "
+    "leaves; on CPU what max_num_seqs x max_model_len can use, at most 256 MiB but one whole "
+    "sequence at least)",
+    "gpu_memory_utilization": "the share of GPU memory the engine may take, KV cache included",
+    "num_kv_blocks": "an exact KV block count, over the memory settings",
+    "max_num_seqs": "requests in one engine step",
+    "max_num_batched_tokens": "tokens in one engine step",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "take a long prompt in over several steps",
+    "long_prefill_token_threshold": "the most prompt tokens one request computes per step "
+    "(0: no cap), so that long prompts stall the streams beside them less",
+    "scheduling_policy": "fcfs or priority (a request's priority field, lower first)",
+    "attention_backend": "auto (triton on CUDA, torch on CPU), torch or triton",
+    "enforce_eager": "no CUDA graphs",
+    "async_scheduling": "schedule step N+1 while step N runs (None: on with a GPU)",
+    "engine_process": "run the engine core in a process of its own (None: on with a GPU)",
+    "seed": "the engine's random seed (requests without one of their own)",
+    "max_logprobs": "the most logprobs a request may ask for",
+    "generation_config": "the defaults of the sampling fields a request leaves out: auto "
+    "(the model's generation_config.json), vllm (none: SamplingParams' own) or a path",
+    "override_generation_config": "JSON laid over those defaults, e.g. "
+    '\'{"temperature": 0, "max_new_tokens": 64}\'',
+    "profiler_dir": "a folder for the engine core's torch profiler traces, which turns on POST "
+    "/start_profile and /stop_profile (None: $ASYNCLLM_TORCH_PROFILER_DIR, else off)",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help says it already (--api-key: never the key)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     server = parser.add_argument_group("server")
     defaults = ServerArgs()
-    server.add_argument("--host", default=defaults.host)
+    server.add_argument("--host", default=defaults.host, help="the address to listen on")
     server.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
     server.add_argument(
         "--api-key",
         default=os.environ.get("ASYNCLLM_API_KEY"),
-        help="require Authorization: Bearer KEY (default $ASYNCLLM_API_KEY); /health and "
+        help="require Authorization: Bearer KEY (default: $ASYNCLLM_API_KEY); /health and "
         "/metrics stay open",
     )
-    server.add_argument("--served-model-name", default=None, help="the name /v1/models lists")
+    server.add_argument(
+        "--served-model-name", default=None, help="the name /v1/models lists (None: --model)"
+    )
     server.add_argument("--root-path", default="", help="serve every route under this prefix")
     server.add_argument(
-        "--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes
+        "--max-request-body-bytes",
+        type=int,
+        default=defaults.max_request_body_bytes,
+        help="larger bodies get 413",
     )
     server.add_argument(
         "--max-concurrent-requests",
@@ -138,13 +192,15 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     """One flag per EngineArgs field, typed from its default (vLLM's flag names)."""
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
+        text = ENGINE_FLAG_HELP.get(f.name, "")
         if str(f.type).startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, default=f.default, help=text)
         elif isinstance(f.default, int | float):
-            group.add_argument(flag, type=type(f.default), default=f.default)
+            group.add_argument(flag, type=type(f.default), default=f.default, help=text)
         else:
             kind = int if str(f.type).startswith("int") else str
-            group.add_argument(flag, type=kind, default=f.default)
+            group.add_argument(flag, type=kind, default=f.default, help=text)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
@@ -153,7 +209,22 @@ def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
     )
 
 
-async def serve(namespace: argparse.Namespace) -> None:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before the model loads so that a busy port fails at once;
+    connections that come during the load wait in its backlog."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(namespace: argparse.Namespace, sock: socket.socket) -> None:
     server_args = ServerArgs.from_namespace(namespace)
     try:  # before the model loads: a store that cannot be written fails at once
         store = open_response_store(server_args.response_store)
@@ -161,22 +232,24 @@ async def serve(namespace: argparse.Namespace) -> None:
         raise SystemExit(f"asyncllm: {e}") from e
     loop = asyncio.get_running_loop()
     engine_args = engine_args_from(namespace)
+    started = time.perf_counter()
     logger.info("loading the model: %s", engine_args.model or "the default model")
     engine = await loop.run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
+    logger.info("model loaded in %.1f s", time.perf_counter() - started)
     app = build_app(engine, server_args, store)
     freeze_startup_objects()
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler: abort
         access_log_class=AccessLogger,
-        access_log=logging.getLogger("asyncllm.access"),
+        access_log=logging.getLogger(ACCESS_LOGGER),
         shutdown_timeout=1.0,
         keepalive_timeout=server_args.keep_alive_timeout,
     )
     await runner.setup()
-    site = web.TCPSite(runner, server_args.host, server_args.port)
+    site = web.SockSite(runner, sock)
     await site.start()
-    host, port = runner.addresses[0][:2]
+    host, port = sock.getsockname()[:2]
     print(f"asyncllm: serving {app[STATE].model_name} on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -201,7 +274,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     namespace = make_parser(prog).parse_args(argv)
     configure_logging()
     start_function_trace("server")
-    uvloop.run(serve(namespace))
+    try:
+        sock = bind_socket(namespace.host, namespace.port)
+    except OSError as e:
+        where = f"{namespace.host}:{namespace.port}"
+        sys.exit(f"asyncllm: cannot listen on {where}: {e.strerror or e} (--port picks another)")
+    logger.info("listening on %s:%d", *sock.getsockname()[:2])
+    uvloop.run(serve(namespace, sock))
 
 
 if __name__ == "__main__":

@@ -387,19 +387,23 @@ def _cell(value) -> str:
 # -- command line -------------------------------------------------------------------------------
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default."""
+
+
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="the name sent (default: the served one)")
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    parser.add_argument("--model", default=None, help="the name sent (None: the served one)")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
-    parser.add_argument("--dataset", choices=sorted(DATASETS), default="random")
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument(
+        "--dataset", choices=sorted(DATASETS), default="random", help="the length distribution"
+    )
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests sent")
     parser.add_argument("--min-len", type=int, default=32, help="shortest prompt and output")
     parser.add_argument("--max-len", type=int, default=256, help="longest prompt and output")
     parser.add_argument("--vocab-size", type=int, default=32000, help="token ids < this")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the lengths, ids and arrivals")
     parser.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson req/s (inf: all at once)"
     )
@@ -409,7 +413,7 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="recorded in the result"
     )
-    parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     return parser
 

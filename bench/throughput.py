@@ -145,7 +145,7 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
     phases = time_phases(llm) if args.profile_steps else None
     cached = triton_cache_entries()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - start
     compiled = len(triton_cache_entries() - cached)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -289,36 +289,45 @@ def run_hf_continuous(model, workload: Workload) -> dict:
     }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default."""
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None, help="HF folder or GGUF (default: SmolLM2-135M)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder or GGUF (None: SmolLM2-135M)")
     parser.add_argument(
         "--shape", choices=sorted(SHAPES), help="a benchmark shape with dummy weights"
     )
     parser.add_argument("--load-format", default="auto", help="auto | dummy (with --model)")
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--num-requests", type=int, default=32, help="requests in the workload")
+    parser.add_argument("--min-len", type=int, default=16, help="shortest prompt and output")
+    parser.add_argument("--max-len", type=int, default=256, help="longest prompt and output")
+    parser.add_argument("--seed", type=int, default=0, help="of the workload's lengths and ids")
+    parser.add_argument("--max-model-len", type=int, default=None, help="the engine's flag")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="the engine's flag")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="the engine's flag"
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold", type=int, default=0, help="the engine's flag"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="schedule step N+1 while step N runs (default: on with a GPU)",
+        help="schedule step N+1 while step N runs (None: on with a GPU)",
     )
     parser.add_argument("--single-stream", action="store_true", help="also time batch-1 decode")
     parser.add_argument("--profile-steps", action="store_true", help="time the step's phases")
-    parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="the HF peer's batch")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
+    print(f"{parser.prog}: {args.num_requests} requests, lengths U[{args.min_len}, "
+          f"{args.max_len}]", file=sys.stderr)  # fmt: skip
 
     if args.shape:
         path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))

@@ -12,7 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncllm.model_files import gguf_convert
 from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, cached_folder, convert_gguf
-from asyncllm.model_files.model_path import default_gguf_path, resolve_model_path
+from asyncllm.model_files.model_path import (
+    DEFAULT_MODEL_SAMPLING,
+    default_gguf_path,
+    resolve_model_path,
+)
 
 IM_END = 2
 
@@ -53,6 +57,12 @@ def test_default_model_eos_is_im_end(default_folder: Path, default_tokenizer) ->
     assert default_tokenizer.eos_token_id == IM_END
 
 
+def test_default_model_carries_its_publishers_sampling(default_folder: Path) -> None:
+    config = read_json(default_folder / "generation_config.json")
+    assert config["temperature"] == 0.2 and config["top_p"] == 0.9
+    assert config["max_new_tokens"] == DEFAULT_MODEL_SAMPLING["max_new_tokens"]
+
+
 def test_default_model_ties_embeddings(default_folder: Path) -> None:
     config = read_json(default_folder / "config.json")
     assert config["tie_word_embeddings"] is True
@@ -74,7 +84,7 @@ def test_chat_template_comes_from_gguf(default_tokenizer) -> None:
 
 def test_second_conversion_returns_cached_folder(default_folder: Path) -> None:
     start = time.perf_counter()
-    assert convert_gguf(default_gguf_path()) == default_folder
+    assert convert_gguf(default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING) == default_folder
     assert time.perf_counter() - start < 2.0
 
 

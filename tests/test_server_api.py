@@ -177,6 +177,19 @@ def test_sdk_raises_typed_errors(client) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model="tiny", prompt=[5] * 600)
     assert too_long.value.code == "context_length_exceeded"
+    assert too_long.value.param == "prompt"
+    long_chat = [{"role": "user", "content": "hello " * 600}]
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model="tiny", messages=long_chat)
+    assert too_long.value.code == "context_length_exceeded"
+    assert too_long.value.param == "messages"
+
+
+def test_sdk_retrieves_the_model_by_id(client) -> None:
+    model = client.models.retrieve("tiny")
+    assert model.id == "tiny" and model.owned_by == "asyncllm"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_sdk_raises_bad_request_for_missing_fields_and_wrong_types(client) -> None:
@@ -608,11 +621,12 @@ async def test_websocket_multiplexes_requests_and_cancels_one(server) -> None:
             await ws.send_json({"id": "long", "body": {"prompt": "go", **LONG}})
             await ws.send_json({"id": "bad", "body": {"prompt": "x", "top_k": -5}})
             done: set[str] = set()
-            while done != {"chat", "text", "long", "bad"}:
+            while done != {"chat", "text", "long", "bad"} or frames["long"][-1]["type"] != "done":
                 frame = await ws.receive_json(timeout=20)
                 frames.setdefault(frame["id"], []).append(frame)
-                if frame["type"] == "chunk" and frame["id"] == "long":
+                if frame["type"] == "chunk" and frame["id"] == "long" and "long" not in done:
                     await ws.send_json({"type": "cancel", "id": "long"})
+                    done.add("long")  # one cancel: a second one would be an unknown id's
                 if frame["type"] == "done":
                     done.add(frame["id"])
         values = await until_idle(session, server)
@@ -626,6 +640,33 @@ async def test_websocket_multiplexes_requests_and_cancels_one(server) -> None:
     assert [f["type"] for f in frames["bad"]] == ["error", "done"]
     assert frames["bad"][0]["error"]["param"] == "top_k"
     assert values["asyncllm:num_requests_running"] == 0
+
+
+async def test_websocket_duplicate_id_and_unknown_cancel_get_errors(server) -> None:
+    frames: list[dict] = []
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(f"{server.url}/v1/stream") as ws,
+    ):
+        await ws.send_json({"id": "twice", "body": {"prompt": "go", **LONG}})
+        await ws.send_json({"id": "twice", "body": {"prompt": "again", **LONG}})
+        await ws.send_json({"type": "cancel", "id": "nobody"})
+        while len([f for f in frames if f["type"] != "chunk"]) < 3:
+            frames.append(await ws.receive_json(timeout=20))
+        await ws.send_json({"type": "cancel", "id": "twice"})
+        while frames[-1].get("cancelled") is not True:
+            frames.append(await ws.receive_json(timeout=20))
+    replies = [(f["type"], f["id"]) for f in frames if f["type"] != "chunk"]
+    # frames are answered in order; the first "twice" keeps running until its cancel
+    assert replies == [
+        ("error", "twice"),
+        ("done", "twice"),
+        ("error", "nobody"),
+        ("done", "twice"),
+    ]
+    errors = {f["id"]: f["error"] for f in frames if f["type"] == "error"}
+    assert errors["twice"]["param"] == "id" and "in flight" in errors["twice"]["message"]
+    assert errors["nobody"]["param"] == "id"
 
 
 async def test_closing_the_websocket_aborts_its_requests(server) -> None:

@@ -113,10 +113,39 @@ async def test_access_log_lines_carry_request_ids(server) -> None:
     ):
         assert response.headers["X-Request-Id"] == "trace-123"
     await asyncio.sleep(0.2)
-    lines = [line for line in server.log().splitlines() if "asyncllm.access" in line]
-    entries = [json.loads(line[line.index("{") :]) for line in lines]
-    entry = next(e for e in entries if e["request_id"] == "trace-123")
+    entry = next(e for e in access_entries(server) if e["request_id"] == "trace-123")
     assert entry["path"] == f"{PREFIX}/v1/models" and entry["status"] == 200
+
+
+def access_entries(server: ServerProcess) -> list[dict]:
+    lines = [line for line in server.log().splitlines() if "asyncllm.access" in line]
+    return [json.loads(line[line.index("{") :]) for line in lines]
+
+
+async def test_a_dropped_stream_leaves_one_499_line(server) -> None:
+    headers = {**AUTH, "X-Request-Id": "dropped-1"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        response = await session.post(url(server, "/v1/completions"), json={"prompt": "x", **LONG})
+        await response.content.readuntil(b"\n\n")
+        response.close()  # the client goes away mid-stream
+    for _ in range(100):
+        entries = [e for e in access_entries(server) if e["request_id"] == "dropped-1"]
+        if entries:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # a second line would have come by now
+    entries = [e for e in access_entries(server) if e["request_id"] == "dropped-1"]
+    assert [e["status"] for e in entries] == [499]
+
+
+async def test_health_and_metrics_polls_log_at_debug_only(server) -> None:
+    headers = {"X-Request-Id": "poll-1"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for path in ("/health", "/metrics"):
+            async with session.get(url(server, path)) as response:
+                assert response.status == 200
+    await asyncio.sleep(0.2)
+    assert not [e for e in access_entries(server) if e["request_id"] == "poll-1"]
 
 
 async def test_sigterm_lets_in_flight_streams_finish_then_exits_0(server) -> None:

@@ -3,6 +3,8 @@ one handle on the engine core (a CoreClient)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from asyncllm.config import EngineArgs
 from asyncllm.core.scheduler import check_fits
 from asyncllm.engine.core_client import CoreClient
@@ -19,12 +21,18 @@ class FrontEnd:
         """core_process_allowed: the caller reads the core's steps asynchronously, so the core
         may run in a process of its own (config.engine_process)."""
         self.config = args.create_engine_config()
+        # built here so that a bad --override-generation-config fails before the model loads
+        self._default_sampling_params = SamplingParams(**self.config.model.sampling_defaults)
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.input_processor = InputProcessor(self.config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         own_process = core_process_allowed and self.config.engine_process
         self.core_client = CoreClient.create(self.config, own_process)
         self.latest_stats = EngineStats()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (--generation-config), SamplingParams' own elsewhere."""
+        return dataclasses.replace(self._default_sampling_params)
 
     def make_request(
         self,

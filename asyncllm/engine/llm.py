@@ -61,7 +61,7 @@ class LLM(FrontEnd):
     ) -> list[RequestOutput]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         # validate everything before anything reaches the engine
         requests = [

@@ -1,7 +1,9 @@
 """Convert a llama-architecture GGUF file into a cached Hugging Face model folder.
 
-The folder holds config.json, generation_config.json, the tokenizer files (with the chat template)
-and model.safetensors in float32, so everything downstream only ever loads Hugging Face folders.
+The folder holds config.json, generation_config.json (with the sampling settings the caller
+recommends for the model, which a GGUF file does not carry), the tokenizer files (with the chat
+template) and model.safetensors in float32, so everything downstream only ever loads Hugging Face
+folders.
 """
 
 from __future__ import annotations
@@ -79,16 +81,22 @@ class GGUFModelInfo:
     chat_template: str | None
 
 
-def convert_gguf(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
-    """Return the Hugging Face folder for `gguf_path`, converting it on the first call."""
+def convert_gguf(
+    gguf_path: str | Path,
+    cache_root: Path | None = None,
+    sampling: dict[str, Any] | None = None,
+) -> Path:
+    """Return the Hugging Face folder for `gguf_path`, converting it on the first call.
+    `sampling`: Hugging Face generation settings (temperature, top_p, max_new_tokens, ...) to
+    write into its generation_config.json."""
     gguf_path = Path(gguf_path).expanduser().resolve()
-    target = cached_folder(gguf_path, cache_root)
+    target = cached_folder(gguf_path, cache_root, sampling)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_hf_folder(gguf_path, staging)
+        write_hf_folder(gguf_path, staging, sampling or {})
         make_shareable(staging)
         staging.rename(target)
     except OSError:
@@ -105,10 +113,15 @@ def cache_dir(cache_root: Path | None = None) -> Path:
     return Path(root).expanduser()
 
 
-def cached_folder(gguf_path: Path, cache_root: Path | None = None) -> Path:
-    """`<cache>/gguf/<stem>-<key>`; the key changes when the file is replaced or rewritten."""
+def cached_folder(
+    gguf_path: Path, cache_root: Path | None = None, sampling: dict[str, Any] | None = None
+) -> Path:
+    """`<cache>/gguf/<stem>-<key>`; the key changes when the file is replaced or rewritten, or
+    the sampling settings change."""
     stat = gguf_path.stat()
     identity = f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERTER_VERSION}"
+    if sampling:
+        identity += ":" + json.dumps(sampling, sort_keys=True)
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return cache_dir(cache_root) / "gguf" / f"{gguf_path.stem}-{key}"
 
@@ -120,12 +133,12 @@ def make_shareable(folder: Path) -> None:
         path.chmod(0o644)
 
 
-def write_hf_folder(gguf_path: Path, out: Path) -> None:
+def write_hf_folder(gguf_path: Path, out: Path, sampling: dict[str, Any]) -> None:
     reader = GGUFReader(gguf_path)
     info = read_model_info(reader)
     write_weights(reader, info, out / "model.safetensors")
     write_json(out / "config.json", hf_config(info))
-    write_json(out / "generation_config.json", generation_config(info))
+    write_json(out / "generation_config.json", {**generation_config(info), **sampling})
     write_tokenizer(reader, info, gguf_path, out)
 
 

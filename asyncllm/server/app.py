@@ -12,18 +12,18 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncllm.debugging import profiler_dir
 from asyncllm.engine.async_llm import AsyncLLM
+from asyncllm.server.access_log import log_cancelled
 from asyncllm.server.args import ServerArgs
 from asyncllm.server.openai_routes import OpenAIRoutes
 from asyncllm.server.openapi import openapi_spec
 from asyncllm.server.protocol import ProtocolError, overloaded
 from asyncllm.server.response_store import ResponseStore, open_response_store
 from asyncllm.server.responses_api import ResponsesRoutes
-from asyncllm.server.state import REQUEST_ID, RESPONSE_ID, STATE, ServerState
+from asyncllm.server.state import REQUEST_ID, STATE, ServerState
 from asyncllm.server.streaming import error_for, error_response, json_response
 from asyncllm.server.supervisor import start_supervisor
 
@@ -43,7 +43,7 @@ def build_app(
     open_paths = {f"{p}{path}" for p in prefixes for path in _OPEN_PATHS}
     app = web.Application(
         client_max_size=args.max_request_body_bytes,
-        middlewares=[_error_middleware, _auth_middleware(args.api_key, open_paths)],
+        middlewares=[log_cancelled, _error_middleware, _auth_middleware(args.api_key, open_paths)],
     )
     app[STATE] = state
     app.on_response_prepare.append(_add_request_id_header)
@@ -63,6 +63,7 @@ def build_app(
         app.router.add_delete(f"{p}/v1/responses/{{response_id}}", responses.delete)
         app.router.add_post(f"{p}/v1/responses/{{response_id}}/cancel", responses.cancel)
         app.router.add_get(f"{p}/v1/models", routes.models)
+        app.router.add_get(f"{p}/v1/models/{{model}}", routes.model)
         app.router.add_post(f"{p}/tokenize", routes.tokenize)
         app.router.add_post(f"{p}/detokenize", routes.detokenize)
         app.router.add_get(f"{p}/health", _health)
@@ -201,20 +202,3 @@ def _auth_middleware(api_key: str | None, open_paths: set[str]):
 
 def _is_websocket(request: web.Request) -> bool:
     return request.headers.get("Upgrade", "").lower() == "websocket"
-
-
-class AccessLogger(AbstractAccessLogger):
-    """One JSON line per request, tagged with its request id (and response id if any)."""
-
-    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        entry = {
-            "request_id": request.get(REQUEST_ID),
-            "response_id": request.get(RESPONSE_ID),
-            "remote": request.remote,
-            "method": request.method,
-            "path": request.path,
-            "status": response.status,
-            "bytes": response.body_length,
-            "duration_ms": round(time * 1000, 2),
-        }
-        self.logger.info(orjson.dumps(entry).decode())

@@ -145,7 +145,8 @@ class OpenAIRoutes:
         self.state.streams.cancel(stream_id)
 
     def parse_request(self, endpoint: str, body: dict[str, Any]) -> GenerationRequest:
-        req = _PARSERS[endpoint](body, self.engine.input_processor.vocab_size)
+        defaults = self.engine.config.model.sampling_defaults
+        req = _PARSERS[endpoint](body, self.engine.input_processor.vocab_size, defaults)
         if req.model is not None and req.model not in self.state.model_names:
             raise ProtocolError(
                 f"The model `{req.model}` does not exist.",
@@ -255,11 +256,18 @@ class OpenAIRoutes:
         return prompt
 
     def _check_room(self, prompt_tokens: int, req: GenerationRequest) -> None:
-        """A max_tokens the request sets must fit beside the prompt; an omitted one is clamped to
-        the room left."""
+        """The prompt must leave room for a token, and a max_tokens the request sets must fit
+        beside it; an omitted one is clamped to the room left."""
+        limit = self.engine.config.model.max_model_len
+        if prompt_tokens >= limit:
+            raise ProtocolError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{prompt_tokens}, which leaves no room for a completion: shorten it.",
+                param="messages" if req.kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
         if req.max_tokens_field is None:
             return
-        limit = self.engine.config.model.max_model_len
         wanted = 0 if req.echo_only else req.params.max_tokens
         if prompt_tokens + wanted > limit:
             raise ProtocolError(
@@ -314,7 +322,21 @@ class OpenAIRoutes:
     # -- the rest of the API -----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the SDK's models.retrieve."""
+        if request.match_info["model"] not in self.state.model_names:
+            raise ProtocolError(
+                f"The model `{request.match_info['model']}` does not exist.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return json_response(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.state.model_name,
             "object": "model",
             "created": self.state.started,
@@ -323,7 +345,6 @@ class OpenAIRoutes:
             "parent": None,
             "max_model_len": self.engine.config.model.max_model_len,
         }
-        return json_response({"object": "list", "data": [model]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = parse_tokenize(await read_json(request))

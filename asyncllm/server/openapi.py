@@ -146,7 +146,18 @@ _SCHEMAS: dict[str, Schema] = {
         "type": "object",
         "properties": {
             "object": {"type": "string"},
-            "data": {"type": "array", "items": {"type": "object"}},
+            "data": {"type": "array", "items": _ref("Model")},
+        },
+    },
+    "Model": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "root": {"type": "string"},
+            "max_model_len": {"type": "integer"},
         },
     },
     "TokenizeResponse": {
@@ -213,6 +224,13 @@ def _get(summary: str, schema: Schema | None, errors: str = "") -> dict[str, Any
     if content:
         ok["content"] = content
     return {"get": {"summary": summary, "responses": {"200": ok, **_error_responses(errors)}}}
+
+
+def _model_by_id() -> dict[str, Any]:
+    operation = _get("The served model by its id (404 for any other)", _ref("Model"), "401 404")
+    model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    operation["get"]["parameters"] = [model]
+    return operation
 
 
 def _post(summary: str, request: str, response: str) -> dict[str, Any]:
@@ -317,6 +335,7 @@ def openapi_spec(prefix: str = "", version: str = "unknown") -> dict[str, Any]:
         ),
         "/v1/stream": websocket,
         "/v1/models": _get("The served model", _ref("ModelList"), "401"),
+        "/v1/models/{model}": _model_by_id(),
         "/tokenize": _post("Tokenize a prompt or a chat", "TokenizeRequest", "TokenizeResponse"),
         "/detokenize": _post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse"),
         "/health": _get("200, or 503 once the engine is dead or the server drains", None, "503"),

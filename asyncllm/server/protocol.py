@@ -129,11 +129,15 @@ class GenerationRequest:
         return self.kind == "completion"  # the chat template already holds them
 
 
-def parse_completion(body: dict[str, Any], vocab_size: int | None = None) -> GenerationRequest:
+def parse_completion(
+    body: dict[str, Any], vocab_size: int | None = None, defaults: dict[str, Any] | None = None
+) -> GenerationRequest:
+    """defaults: SamplingParams values for the fields the body leaves out (the model's)."""
     values = _whole_vocabulary(checked_fields(body, COMPLETIONS), vocab_size)
     echo = values.get("echo", False)
     echo_only = echo and values.get("max_tokens") == 0
-    params = _sampling_params(values, COMPLETIONS, **_echo_overrides(values, echo_only))
+    overrides = _echo_overrides(values, echo_only)
+    params = _sampling_params(values, COMPLETIONS, defaults or {}, **overrides)
     return GenerationRequest(
         kind="completion",
         prompts=_parse_prompt(values["prompt"]),
@@ -154,9 +158,11 @@ def _echo_overrides(values: dict[str, Any], echo_only: bool) -> dict[str, Any]:
     return overrides
 
 
-def parse_chat(body: dict[str, Any], vocab_size: int | None = None) -> GenerationRequest:
+def parse_chat(
+    body: dict[str, Any], vocab_size: int | None = None, defaults: dict[str, Any] | None = None
+) -> GenerationRequest:
     values = _whole_vocabulary(checked_fields(body, CHAT), vocab_size)
-    params = _sampling_params(values, CHAT, logprobs=_chat_logprobs(values))
+    params = _sampling_params(values, CHAT, defaults or {}, logprobs=_chat_logprobs(values))
     messages = _parse_messages(values["messages"])
     return GenerationRequest(
         kind="chat",
@@ -341,14 +347,18 @@ def _chat_logprobs(values: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _sampling_params(values: dict[str, Any], route: str, **overrides: Any) -> SamplingParams:
+def _sampling_params(
+    values: dict[str, Any], route: str, defaults: dict[str, Any], **overrides: Any
+) -> SamplingParams:
     """The table's sampling fields by their SamplingParams names (a later field wins, as
-    max_completion_tokens over max_tokens); out-of-range values become a 400."""
+    max_completion_tokens over max_tokens), the defaults for those left out; out-of-range values
+    become a 400."""
     kwargs: dict[str, Any] = {"max_tokens": None}  # the rest of the context, unless the route says
     for f in fields_for(route):
         value = values.get(f.name, f.default)
         if f.param is not None and value is not None:
             kwargs[f.param] = value
+    kwargs.update(_defaults_left_out(kwargs, values, route, defaults))
     stream = values.get("stream", False)
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     response_format = values.get("response_format")
@@ -362,6 +372,18 @@ def _sampling_params(values: dict[str, Any], route: str, **overrides: Any) -> Sa
         return params
     except ValueError as e:
         raise from_validation_error(e) from e
+
+
+def _defaults_left_out(
+    kwargs: dict[str, Any], values: dict[str, Any], route: str, defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """The defaults of the parameters no field of the body set; an omitted max_tokens takes the
+    smaller of the route's default (16 for completions) and the model's, as vLLM does."""
+    given = {f.param for f in fields_for(route) if f.name in values}
+    chosen = {name: value for name, value in defaults.items() if name not in given}
+    if chosen.get("max_tokens") is not None and kwargs.get("max_tokens") is not None:
+        chosen["max_tokens"] = min(chosen["max_tokens"], kwargs["max_tokens"])
+    return chosen
 
 
 @dataclass

@@ -22,6 +22,7 @@ from aiohttp import WSMsgType, web
 
 from asyncllm.engine.async_llm import EngineDeadError
 from asyncllm.errors import ValidationError
+from asyncllm.server.access_log import DROPPED
 from asyncllm.server.protocol import ProtocolError, from_validation_error
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,7 @@ async def write_sse(request: web.Request, events: NumberedEvents) -> web.StreamR
                 await response.write(sse_event(item))
                 item = await anext(events, _END)
         except ConnectionResetError:
+            request[DROPPED] = True
             return response  # the client went away: aclosing aborts (or detaches) the stream
     await response.write_eof()
     return response
@@ -271,6 +273,7 @@ class WebSocketSession:
         if request_id in self.tasks:
             error = ProtocolError(f"request id {request_id!r} is already in flight.", param="id")
             await self._send_error(request_id, error)
+            await self._send({"type": "done", "id": request_id})
             return
         try:
             stream_id, events = self._open(kind, frame)
@@ -328,8 +331,10 @@ class WebSocketSession:
 
     async def _cancel(self, request_id: str) -> None:
         task = self.tasks.pop(request_id, None)
-        if task is None:
-            return  # already finished: its done frame went out
+        if task is None:  # never started, or finished: its done frame went out
+            error = ProtocolError(f"no request {request_id!r} is in flight.", param="id")
+            await self._send_error(request_id, error)
+            return
         self.source.cancel_stream(self.stream_ids.pop(request_id))
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,10 @@ from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraph
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner
 
-_CPU_KV_CACHE_BYTES = 2 << 30
+logger = logging.getLogger(__name__)
+# the most the CPU KV cache takes unless --kv-cache-memory says otherwise, but never less than
+# one whole sequence: for SmolLM2-135M (46 KiB a token in fp32) that is its 8,192 tokens, 368 MiB
+_CPU_KV_CACHE_BYTES = 256 << 20
 _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
 # captured in this order, each kind only at the sizes its plans list
 _GRAPH_KINDS = {
@@ -118,6 +122,7 @@ class ModelRunner:
             )
             self.num_blocks = self._num_kv_blocks()
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            self._report_kv_cache()
             self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
             self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
             # made at the first constrained request (xgrammar is an optional dependency)
@@ -291,11 +296,30 @@ class ModelRunner:
             budget = (
                 int(total * cache.gpu_memory_utilization) - used - _GPU_ACTIVATION_RESERVE_BYTES
             )
-        budget = budget if budget is not None else _CPU_KV_CACHE_BYTES
-        num_blocks = budget // self._bytes_per_block()
+        per_block = self._bytes_per_block()
+        num_blocks = self._cpu_kv_blocks() if budget is None else budget // per_block
         if num_blocks < 2:
             raise ValueError("kv_cache_memory is too small to hold two KV blocks.")
         return num_blocks
+
+    def _cpu_kv_blocks(self) -> int:
+        """What max_num_seqs sequences of max_model_len tokens can use, bounded by
+        _CPU_KV_CACHE_BYTES (but never below one whole sequence): on CPU, memory is the RSS of
+        the process, and each block is touched as it is zeroed."""
+        scheduler = self.config.scheduler
+        per_sequence = -(-scheduler.max_model_len // self.block_size)
+        bounded = max(_CPU_KV_CACHE_BYTES // self._bytes_per_block(), per_sequence)
+        return min(scheduler.max_num_seqs * per_sequence, bounded)
+
+    def _report_kv_cache(self) -> None:
+        tokens = self.num_blocks * self.block_size
+        size_mib = self.num_blocks * self._bytes_per_block() / (1 << 20)
+        length = self.config.scheduler.max_model_len
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %d tokens (%.0f MiB, %.1f sequences of "
+            "max_model_len %d; --kv-cache-memory or --num-kv-blocks to change)",
+            self.num_blocks, self.block_size, tokens, size_mib, tokens / length, length,
+        )  # fmt: skip
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         dtype = self.config.model.dtype
