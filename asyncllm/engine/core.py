@@ -25,7 +25,7 @@ from asyncllm.engine.messages import (
     FinishRequests,
     KVCapacity,
 )
-from asyncllm.executor import Executor, create_executor
+from asyncllm.executor import Executor, WorkerDiedError, create_executor
 from asyncllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -140,9 +140,11 @@ class EngineCore:
         return _LaunchedStep(scheduler_output, self.executor.execute_model(scheduler_output))
 
     def _finish(self, launched: _LaunchedStep) -> list[EngineCoreOutput]:
-        """A failed step fails its requests, not the engine."""
+        """A failed step fails its requests, not the engine; a failed worker stops the engine."""
         try:
             result = launched.future.result()
+        except WorkerDiedError:
+            raise
         except Exception as e:
             return self._fail_step(launched.scheduler_output, e)
         outputs = self._update(launched.scheduler_output, result)

@@ -13,6 +13,11 @@ from abc import ABC, abstractmethod
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker died or failed mid-step: its peers may wait in a collective that never ends,
+    so the executor runs no further step and the engine stops."""
+
+
 class Executor(ABC):
     # the KV cache's size in blocks, the same on every worker
     num_blocks: int

@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             total_heads * self.head_dim,
             config.hidden_size,
-            bias=False,
+            bias=getattr(config, "attention_bias", False),  # Llama's; Qwen2 biases q/k/v only
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
