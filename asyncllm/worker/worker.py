@@ -4,6 +4,7 @@ built: its device, its place in the engine's torch.distributed world, its random
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -17,6 +18,8 @@ def init_worker(config: EngineConfig, init: DistributedInit, local_rank: int) ->
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        # NVLink multicast (NVLS) stays off unless the operator turns it on
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     else:
         # the ranks share this machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // init.world_size))
