@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing
 import transformers
+from test_model_vs_hf import TINY as TINY_HF
 from test_model_vs_hf import kv_caches, metadata
 
 from asyncllm import LLM, SamplingParams
@@ -24,17 +25,12 @@ from asyncllm.layers.linear import process_weights_after_loading
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.loader import iter_safetensors
 
-TINY = dict(
-    vocab_size=389,  # not a multiple of 2: the last rank's vocabulary shard is padded
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    initializer_range=0.2,  # logits far enough apart for greedy ids to vary
-)
+TINY = {
+    **TINY_HF,
+    "vocab_size": 389,  # not a multiple of 2: the last rank's vocabulary shard is padded
+    "num_attention_heads": 4,
+    "initializer_range": 0.2,  # logits far enough apart for greedy ids to vary
+}
 CONFIGS = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False, attention_bias=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
@@ -56,34 +52,42 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @torch.inference_mode()
-def chunked_logits(path: Path) -> torch.Tensor:
+def chunked_logits(path: Path, device: str = "cpu") -> torch.Tensor:
     """This rank's model over two requests: a prefill chunk, its continuation beside a decode
     row, then a batched decode; the logits of every row."""
     config = transformers.AutoConfig.from_pretrained(path)
-    model = LlamaForCausalLM(config, TorchAttentionBackend()).eval()
-    model.load_weights(iter_safetensors(path))
-    process_weights_after_loading(model)
     gen = torch.Generator().manual_seed(2)
     a = torch.randint(0, config.vocab_size, (23,), generator=gen)
     b = torch.randint(0, config.vocab_size, (9,), generator=gen)
-    tables, caches = [[5, 2, 9, 11, 3, 7], [1, 8, 4]], kv_caches(model)
     steps = [
         ([(0, 10), (0, 8)], torch.cat([a[:10], b[:8]]), [*range(10), *range(8)]),
         ([(10, 13), (8, 1)], torch.cat([a[10:], b[8:]]), [*range(10, 23), 8]),
         ([(23, 1), (9, 1)], torch.tensor([7, 3]), [23, 9]),
     ]
-    logits = []
-    for spans, ids, positions in steps:
-        hidden = model(ids, torch.tensor(positions), caches, metadata(spans, tables))
-        logits.append(model.compute_logits(hidden))
-    return torch.cat(logits)
+    with torch.device(device):
+        model = LlamaForCausalLM(config, TorchAttentionBackend()).eval()
+        model.load_weights(iter_safetensors(path))
+        process_weights_after_loading(model)
+        tables, caches = [[5, 2, 9, 11, 3, 7], [1, 8, 4]], kv_caches(model)
+        logits = []
+        for spans, ids, positions in steps:
+            meta = metadata(spans, tables)
+            hidden = model(ids.to(device), torch.tensor(positions), caches, meta)
+            logits.append(model.compute_logits(hidden))
+    return torch.cat(logits).cpu()
 
 
-def _rank_logits(rank: int, world_size: int, port: int, dirs: dict, out: Path) -> None:
-    init_distributed(DistributedInit(world_size, rank, f"tcp://127.0.0.1:{port}", "gloo"))
+def rank_logits(
+    rank: int, world_size: int, port: int, dirs: dict, out: Path, device: str = "cpu"
+) -> None:
+    """One rank of chunked_logits for each model (rank 0 saves them); on CUDA, GPU `rank`."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    init_distributed(DistributedInit(world_size, rank, f"tcp://127.0.0.1:{port}", backend))
     try:
         for name, path in dirs.items():
-            logits = chunked_logits(path)
+            logits = chunked_logits(path, device)
             if rank == 0:
                 torch.save(logits, out / f"{name}.pt")
     finally:
@@ -92,7 +96,7 @@ def _rank_logits(rank: int, world_size: int, port: int, dirs: dict, out: Path) -
 
 def test_two_ranks_compute_the_logits_of_one(model_dirs, tmp_path) -> None:
     torch.multiprocessing.spawn(
-        _rank_logits, (2, free_port(), model_dirs, tmp_path), nprocs=2, join=True
+        rank_logits, (2, free_port(), model_dirs, tmp_path), nprocs=2, join=True
     )
     for name, path in model_dirs.items():
         expected = chunked_logits(path)
@@ -134,3 +138,18 @@ def test_two_ranks_give_the_greedy_ids_of_one(model_dirs, name, async_scheduling
     llm.core_client.shutdown()
     assert split == expected
     assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+
+
+@pytest.mark.slow
+def test_three_ranks_give_the_default_models_greedy_text() -> None:
+    """SmolLM2-135M has 9 query and 3 KV heads: one KV head per rank at TP=3."""
+    from test_engine_matches_hf import NEW_TOKENS, PROMPTS
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    texts = {}
+    for tp in (1, 3):
+        llm = LLM(tensor_parallel_size=tp, max_num_batched_tokens=256, max_num_seqs=8)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
+        texts[tp] = [o.outputs[0].text for o in outputs]
+        llm.core_client.shutdown()
+    assert texts[3] == texts[1]

@@ -92,4 +92,8 @@ class ParallelLMHead(_VocabShard):
         logits = self.quant_method.apply(self, hidden)
         if self.tp_size == 1:
             return logits
-        return tensor_model_parallel_all_gather(logits)[:, : self.num_embeddings]
+        logits = tensor_model_parallel_all_gather(logits)
+        if logits.shape[1] == self.num_embeddings:
+            return logits
+        # the sampler's kernels read rows of vocabulary length
+        return logits[:, : self.num_embeddings].contiguous()
