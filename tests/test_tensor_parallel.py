@@ -108,7 +108,7 @@ def test_two_ranks_compute_the_logits_of_one(model_dirs, tmp_path) -> None:
 
 def greedy_engine(path: Path, **kwargs) -> tuple[list[list[int]], LLM]:
     """A schedule of chunked prefills, prefix hits and preemptions: 6 requests of a shared
-    32-token prefix in a cache too small for all at once."""
+    32-token prefix in a cache too small for all at once, half with a repetition penalty."""
     llm = LLM(
         model=str(path),
         max_model_len=128,
@@ -120,7 +120,12 @@ def greedy_engine(path: Path, **kwargs) -> tuple[list[list[int]], LLM]:
     )
     prefix = list(range(3, 35))
     prompts = [{"prompt_token_ids": prefix + list(range(40 + i, 45 + 3 * i))} for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # a penalty reads the prompt and the outputs so far when the request first samples (again
+    # after a preemption)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=penalty)
+        for penalty in (1.0, 1.8) * 3
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
 

@@ -27,6 +27,7 @@ from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.distributed.parallel_state import DistributedInit, backend_for, destroy_distributed
 from asyncllm.executor.abstract import Executor, WorkerDiedError
 from asyncllm.executor.uniproc import UniprocExecutor
+from asyncllm.executor.wire import StepWire
 from asyncllm.worker.worker import init_worker
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class MultiprocExecutor(Executor):
         self._failure: str | None = None
         self._stopping = False
         self._collector: threading.Thread | None = None
+        self._wire = StepWire()
         for rank in range(world_size):
             ours, theirs = context.Pipe()
             init = DistributedInit(world_size, rank, init_method, backend)
@@ -147,7 +149,8 @@ class MultiprocExecutor(Executor):
         self, scheduler_output: SchedulerOutput
     ) -> concurrent.futures.Future[ModelRunnerOutput]:
         future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
-        data = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        sent = self._wire.outgoing(scheduler_output)
+        data = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             if self._failure is not None:
                 raise WorkerDiedError(self._failure)

@@ -22,6 +22,7 @@ from asyncllm.distributed.parallel_state import DistributedInit, backend_for
 from asyncllm.executor.abstract import Executor, WorkerDiedError
 from asyncllm.executor.multiproc import describe, free_port
 from asyncllm.executor.uniproc import UniprocExecutor
+from asyncllm.executor.wire import StepWire
 from asyncllm.worker.worker import init_worker
 
 _PLACEMENT_TIMEOUT_S = 60.0
@@ -64,6 +65,7 @@ class RayExecutor(Executor):
         self._group = placement_group([bundle] * world_size, strategy="PACK")
         self.workers: list = []
         self._failure: str | None = None
+        self._wire = StepWire()
         self._collector = concurrent.futures.ThreadPoolExecutor(1, "ray-collect")
         try:
             self._place(world_size, bundle)
@@ -83,7 +85,7 @@ class RayExecutor(Executor):
     ) -> concurrent.futures.Future[ModelRunnerOutput]:
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
-        shared = ray.put(scheduler_output)
+        shared = ray.put(self._wire.outgoing(scheduler_output))
         replies = [worker.execute_model.remote(shared) for worker in self.workers]
         return self._collector.submit(self._gather, replies)
 
