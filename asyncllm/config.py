@@ -52,6 +52,10 @@ class EngineArgs:
     # auto (the model's generation_config.json), vllm (SamplingParams' own) or a path
     generation_config: str = "auto"
     override_generation_config: str | None = None  # JSON laid over them, e.g. '{"temperature": 0}'
+    # ranks the model is split across, one worker each (tensor parallelism)
+    tensor_parallel_size: int = 1
+    # mp: worker processes on this machine; ray: Ray actors, on the machines of a Ray cluster
+    distributed_executor_backend: str = "mp"
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_args(self)
@@ -75,7 +79,8 @@ class EngineArgs:
             and scheduler.max_num_batched_tokens < model.max_model_len
         ):
             scheduler.max_num_batched_tokens = model.max_model_len
-        return EngineConfig(model, cache, scheduler, self)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        return EngineConfig(model, cache, scheduler, self, parallel)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -157,11 +162,29 @@ class CacheConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+            )
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}."
+            )
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     args: EngineArgs
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     @property
     def async_scheduling(self) -> bool:

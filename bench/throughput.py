@@ -138,6 +138,7 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
@@ -324,6 +325,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=8, help="the HF peer's batch")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
     print(f"{parser.prog}: {args.num_requests} requests, lengths U[{args.min_len}, "
@@ -377,6 +379,7 @@ def main() -> None:
             "python": platform.python_version(),
         },
         "model": args.shape or str(path),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "dtype": str(dtype),
         "workload": {
             "num_requests": args.num_requests,

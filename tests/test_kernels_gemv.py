@@ -16,7 +16,7 @@ import kernels
 from asyncllm.layers.activation import silu_and_mul
 from asyncllm.layers.linear import (
     FUSED_MAX_ROW,
-    Linear,
+    ReplicatedLinear,
     rms_norm_linear,
     silu_and_mul_linear,
 )
@@ -33,6 +33,14 @@ QWEN3_0_6B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1
 LLAMA_3_1_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 # N, K: one row and one column, odd sizes, K over one 4096-value tile (a K loop), N past 4096
 AWKWARD = [(1, 64), (17, 96), (1000, 1000), (4099, 2048), (33, 5000)]
+
+
+def Linear(input_size: int, output_size: int, bias: bool = True) -> ReplicatedLinear:
+    """A one-rank linear layer with nn.Linear's random initialisation."""
+    linear = ReplicatedLinear(input_size, output_size, bias=bias)
+    for param in linear.parameters():
+        param.data.uniform_(-(input_size**-0.5), input_size**-0.5)
+    return linear
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:

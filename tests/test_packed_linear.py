@@ -1,36 +1,46 @@
-"""oneDNN-packed linear layers compute what nn.Linear computes."""
+"""oneDNN-packed linear layers compute what F.linear computes."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.layers.linear import (
     WARM_UP_MAX_ROWS,
-    PackedLinear,
-    pack_linear_layers,
-    padded_rows,
+    ReplicatedLinear,
+    process_weights_after_loading,
     warm_up_packed_linears,
 )
+from asyncllm.layers.quantization.base import UnquantizedLinearMethod, padded_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+def random_linear(input_size: int, output_size: int, bias: bool = True) -> ReplicatedLinear:
+    linear = ReplicatedLinear(input_size, output_size, bias=bias)
+    for param in linear.parameters():
+        param.data.normal_(0.0, 0.1)
+    return linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 17, 64, 333])
 def test_packed_linear_matches_linear(bias: bool, rows: int) -> None:
     torch.manual_seed(0)
-    linear = nn.Linear(96, 160, bias=bias)
+    linear = random_linear(96, 160, bias)
     x = torch.randn(rows, 96)
-    torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+    expected = F.linear(x, linear.weight, linear.bias)
+    process_weights_after_loading(linear)
+    assert linear.onednn_packed
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_packing_replaces_nested_linears_and_keeps_the_rest() -> None:
-    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 4)))
+def test_packing_covers_nested_linears_and_keeps_the_rest() -> None:
+    model = nn.Sequential(random_linear(8, 8), nn.Sequential(nn.ReLU(), random_linear(8, 4)))
     x = torch.randn(3, 8)
     expected = model(x)
-    pack_linear_layers(model)
-    assert isinstance(model[0], PackedLinear) and isinstance(model[1][1], PackedLinear)
-    assert isinstance(model[1][0], nn.ReLU)
+    process_weights_after_loading(model)
+    assert model[0].onednn_packed and model[1][1].onednn_packed
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -44,22 +54,22 @@ def test_row_counts_are_padded_to_a_few_sizes_by_at_most_an_eighth() -> None:
 class Head(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 12) for _ in range(3))
-        self.down = nn.Linear(12, 8, bias=False)
-        self.lm_head = nn.Linear(8, 12)  # the shape of the layers, but fewer rows
+        self.layers = nn.ModuleList(random_linear(8, 12) for _ in range(3))
+        self.down = random_linear(12, 8, bias=False)
+        self.lm_head = random_linear(8, 12)  # the shape of the layers, but fewer rows
 
 
 def test_warm_up_runs_each_shape_once_at_every_padded_row_count(monkeypatch) -> None:
     model = Head()
-    pack_linear_layers(model)
+    process_weights_after_loading(model)
     calls: list[tuple[int, int, int]] = []
-    original = PackedLinear.forward
+    original = UnquantizedLinearMethod.apply
 
-    def recording(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        calls.append((self.in_features, self.out_features, x.shape[0]))
-        return original(self, x)
+    def recording(self, layer, x: torch.Tensor, bias=None) -> torch.Tensor:
+        calls.append((layer.input_size_per_partition, layer.output_size_per_partition, x.shape[0]))
+        return original(self, layer, x, bias)
 
-    monkeypatch.setattr(PackedLinear, "forward", recording)
+    monkeypatch.setattr(UnquantizedLinearMethod, "apply", recording)
     warm_up_packed_linears(model, max_rows=300, max_head_rows=40)
 
     def sizes(limit: int) -> list[int]:
@@ -73,8 +83,10 @@ def test_warm_up_runs_each_shape_once_at_every_padded_row_count(monkeypatch) -> 
 
 def test_warm_up_stops_at_its_row_limit(monkeypatch) -> None:
     model = Head()
-    pack_linear_layers(model)
+    process_weights_after_loading(model)
     rows: list[int] = []
-    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: rows.append(x.shape[0]))
+    monkeypatch.setattr(
+        UnquantizedLinearMethod, "apply", lambda self, layer, x, bias=None: rows.append(x.shape[0])
+    )
     warm_up_packed_linears(model, max_rows=3 * WARM_UP_MAX_ROWS, max_head_rows=8)
     assert max(rows) == WARM_UP_MAX_ROWS

@@ -22,7 +22,7 @@ from asyncllm import AsyncLLM, EngineArgs
 from asyncllm.engine.core_client import CoreProcessClient
 from asyncllm.engine.core_process import run_core_loop
 from asyncllm.engine.messages import Failed
-from asyncllm.executor.abstract import ExecutorDied
+from asyncllm.executor.abstract import WorkerDiedError
 from asyncllm.server.supervisor import RestartLimit
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -211,5 +211,5 @@ async def test_a_failed_executor_fails_the_core_process_loop() -> None:
     and the loop raises, so the core process reports Failed like any death."""
     messages: queue.Queue = queue.Queue()
     messages.put(Failed("worker 1 exited with code -9"))
-    with pytest.raises(ExecutorDied, match="worker 1 exited"):
+    with pytest.raises(WorkerDiedError, match="worker 1 exited"):
         run_core_loop(_IdleCore(), messages, lambda step: None)

@@ -29,8 +29,7 @@ from asyncllm.engine.messages import (
     Profile,
 )
 from asyncllm.engine.profiler import CoreProfiler
-from asyncllm.executor import Executor, create_executor
-from asyncllm.executor.abstract import ExecutorDied
+from asyncllm.executor import Executor, WorkerDiedError, create_executor
 from asyncllm.request import Request, RequestStatus
 
 # how long an engine with nothing else to do waits for a grammar before looking at its inbox
@@ -229,10 +228,10 @@ class EngineCore:
         return _LaunchedStep(scheduler_output, self.executor.execute_model(scheduler_output))
 
     def _finish(self, launched: _LaunchedStep) -> list[EngineCoreOutput]:
-        """A failed step fails its requests, not the engine."""
+        """A failed step fails its requests, not the engine; a failed worker stops the engine."""
         try:
             result = launched.future.result()
-        except ExecutorDied:
+        except WorkerDiedError:
             raise  # no step can run any more: the core fails as a whole
         except Exception as e:
             return self._fail_step(launched.scheduler_output, e)

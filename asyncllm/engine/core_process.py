@@ -23,7 +23,7 @@ from asyncllm.engine.messages import (
     Ready,
     Shutdown,
 )
-from asyncllm.executor.abstract import ExecutorDied
+from asyncllm.executor.abstract import WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _apply(core: EngineCore, message: Message) -> bool:
     if isinstance(message, Shutdown):
         return False
     if isinstance(message, Failed):
-        raise ExecutorDied(message.error)
+        raise WorkerDiedError(message.error)
     core.apply(message)
     return True
 

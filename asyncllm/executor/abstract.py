@@ -14,10 +14,11 @@ from collections.abc import Callable
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
-class ExecutorDied(RuntimeError):
-    """The executor can run no more steps (a worker process died). A step's future fails with
-    it; the engine core then fails as a whole, as if its own process had died, and the front
-    end ends every request and starts a new core."""
+class WorkerDiedError(RuntimeError):
+    """A worker died or failed mid-step: its peers may wait in a collective that never ends,
+    so the executor runs no further step. A step's future fails with it; the engine core then
+    fails as a whole, as if its own process had died, and the front end ends every request and
+    starts a new core."""
 
 
 class Executor(ABC):

@@ -1,29 +1,44 @@
-"""Linear layers: one-row GEMV kernels for batch-1 decode on CUDA (with the RMSNorm or
-SiLU-and-mul before the GEMM fused in), and oneDNN-packed weights for fp32 on CPU.
+"""Linear layers split across tensor-parallel ranks (vLLM's names and shapes), each holding a
+quant_method that stores its weights and runs its GEMM (layers/quantization/base.py).
 
-At batch 1 on an H200, cuBLAS reads a one-row GEMM's weights at a fraction of the copy
-bandwidth, and the norms and activation between the GEMMs are launches of their own: a
-Qwen3-0.6B layer's projections took 36.5 us that way, 19.4 us as kernels.gemv's fused launches
-(bench/results/decode_gemv_h200.json).
+Column-parallel layers split the output features (each rank computes its slice), row-parallel
+ones the input features (each rank computes a partial sum, all-reduced). A layer's
+weight_loader(param, loaded_weight, shard_id) copies this rank's part of a checkpoint tensor into
+param, reading from a safetensors slice only the rows or columns the rank keeps.
 
-On this project's CPUs oneDNN runs the model's skinny fp32 GEMMs 1.5-4x faster than F.linear
-once the weight is stored in oneDNN's own layout (measured: 32 x 576 x 49152 in 5.1 ms instead
-of 21.0 ms); its dense-in/dense-out op spares the to_mkldnn/to_dense copies of mkldnn_linear.
+On CUDA the RMSNorm before a GEMM and the SiLU-and-mul before the down projection fuse into
+one GEMV launch for a single row: a Qwen3-0.6B layer's projections took 36.5 us as cuBLAS
+GEMMs with separate norms, 19.4 us fused (bench/results/decode_gemv_h200.json).
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from asyncllm.distributed.communication_op import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from asyncllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from asyncllm.layers.activation import silu_and_mul
 from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.quantization.base import (
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    padded_rows,
+    single_cuda_row,
+)
 
-# rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
-_ROWS_HINT = 32
-
+# a checkpoint tensor as the loader hands it over: a torch.Tensor, or a safetensors slice that
+# reads from the file only what is indexed
+LoadedWeight = Any
 
 # Every GEMV program re-reads and recomputes the whole normalised or activated input row, which
 # pays for the launches it saves on small rows only: per layer, fused against unfused GEMVs,
@@ -32,66 +47,335 @@ _ROWS_HINT = 32
 FUSED_MAX_ROW = 3072
 
 
-def single_cuda_row(x: torch.Tensor) -> bool:
-    """Batch-1 decode on CUDA, the GEMV kernels' case: at 8 rows cuBLAS was as fast as a
-    skinny kernel (bench/results/skinny_gemm_h200.json)."""
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+class QuantizationConfig(Protocol):
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        """The method for the layer named prefix; None leaves it unquantized."""
+        ...
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose single CUDA rows go through kernels.gemv."""
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) cannot be split evenly across {denominator} tensor-parallel "
+            "ranks: choose a tensor_parallel_size that divides it."
+        )
+    return numerator // denominator
+
+
+def loaded_shape(loaded: LoadedWeight) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_all(loaded: LoadedWeight) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+
+
+def read_range(loaded: LoadedWeight, dim: int, start: int, size: int) -> torch.Tensor:
+    """loaded[start : start + size] along dim, read from the file only that far."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def copy_weight(target: torch.Tensor, source: torch.Tensor) -> None:
+    """copy_ without its broadcasting, which would hide a checkpoint of the wrong shape."""
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(source.shape)} does not fit a parameter (or its "
+            f"shard) of shape {tuple(target.shape)}"
+        )
+    target.copy_(source)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
+    copy_weight(param.data, read_all(loaded))
+
+
+class LinearBase(nn.Module):
+    """forward: combine(quant_method.apply(x, rank_bias)); subclasses say what this rank holds,
+    what bias it adds and how the ranks' outputs combine."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        bias_sharded: bool,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size, self.prefix = input_size, output_size, prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.input_size_per_partition = input_size_per_partition
+        self.output_partition_sizes = output_partition_sizes
+        self.output_size_per_partition = sum(output_partition_sizes)
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(
+            self,
+            input_size_per_partition,
+            output_partition_sizes,
+            input_size,
+            output_size,
+            torch.get_default_dtype(),
+        )
+        if bias:
+            size = self.output_size_per_partition if bias_sharded else output_size
+            self.bias = nn.Parameter(torch.empty(size), requires_grad=False)
+            self.bias.output_dim = 0 if bias_sharded else None
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if single_cuda_row(x):
-            return kernels.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.combine(self.quant_method.apply(self, x, self.rank_bias))
+
+    @property
+    def rank_bias(self) -> torch.Tensor | None:
+        return self.bias
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(
+            input_size, output_size, bias, quant_config, prefix, input_size, [output_size], True
+        )
+
+
+class ColumnParallelLinear(LinearBase):
+    """Each rank holds a slice of the output features (of each of output_partition_sizes'
+    shards, for the merged layers below); gather_output all-gathers the full output."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        output_partition_sizes: list[int] | None = None,
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        if output_partition_sizes is None:
+            output_partition_sizes = [divide(output_size, tp_size, f"{prefix} output size")]
+        self.gather_output = gather_output
+        super().__init__(
+            input_size,
+            output_size,
+            bias,
+            quant_config,
+            prefix,
+            input_size,
+            output_partition_sizes,
+            True,
+        )
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_gather(out) if self.gather_output else out
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None
+    ) -> None:
+        size = self.output_size_per_partition
+        self.load_output_shard(param, loaded_weight, 0, 0, size, self.tp_rank * size)
+
+    def load_output_shard(
+        self,
+        param: nn.Parameter,
+        loaded: LoadedWeight,
+        shard_index: int,
+        offset: int,
+        size: int,
+        start: int,
+    ) -> None:
+        """Copies loaded[start : start + size] to param[offset : offset + size] along the
+        param's output_dim; offset, size and start count output features, which a packed or
+        blocked param holds fewer of. A param without an output_dim holds one value per shard
+        (a per-tensor scale) or is whole."""
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            per_shard = param.data.dim() > 0 and param.data.shape[0] == len(
+                self.output_partition_sizes
+            )
+            copy_weight(param.data[shard_index] if per_shard else param.data, read_all(loaded))
+            return
+        held = param.data.shape[dim]
+
+        def scaled(features: int) -> int:
+            units = features * held
+            if units % self.output_size_per_partition:
+                raise ValueError(f"{self.prefix}: a shard boundary falls inside a packed value")
+            return units // self.output_size_per_partition
+
+        target = param.data.narrow(dim, scaled(offset), scaled(size))
+        copy_weight(target, read_range(loaded, dim, scaled(start), scaled(size)))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers of one input fused (gate and up): shard_id i loads the
+    i-th's checkpoint tensor."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        gather_output: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        self.output_sizes = output_sizes
+        sizes = [divide(s, tp_size, f"{prefix} output size") for s in output_sizes]
+        super().__init__(
+            input_size, sum(output_sizes), bias, gather_output, quant_config, prefix, sizes
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None
+    ) -> None:
+        if not isinstance(shard_id, int):
+            raise ValueError(f"{self.prefix}: a merged layer loads one shard at a time")
+        sizes = self.output_partition_sizes
+        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
+        self.load_output_shard(param, loaded_weight, shard_id, offset, size, self.tp_rank * size)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections fused, split by heads: each rank holds
+    total_num_heads / tp query heads and total_num_kv_heads / tp KV heads, or one KV head
+    replicated on tp / total_num_kv_heads ranks when the ranks outnumber the KV heads."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, tp_size, f"{prefix} number of attention heads")
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads, "tensor_parallel_size")
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, f"{prefix} number of KV heads")
+            self.num_kv_head_replicas = 1
+        sizes = [self.num_heads * head_size] + [self.num_kv_heads * head_size] * 2
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias, False, quant_config, prefix, sizes)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None
+    ) -> None:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"{self.prefix}: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        index = "qkv".index(shard_id)
+        sizes = self.output_partition_sizes
+        offset, size = sum(sizes[:index]), sizes[index]
+        head_rank = self.tp_rank if index == 0 else self.tp_rank // self.num_kv_head_replicas
+        self.load_output_shard(param, loaded_weight, index, offset, size, head_rank * size)
+
+
+class RowParallelLinear(LinearBase):
+    """Each rank holds a slice of the input features and computes a partial sum, all-reduced
+    unless reduce_results is off; the bias is added once, by rank 0."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        self.input_is_parallel, self.reduce_results = input_is_parallel, reduce_results
+        local_input = divide(input_size, tp_size, f"{prefix} input size")
+        super().__init__(
+            input_size, output_size, bias, quant_config, prefix, local_input, [output_size], False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = x.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        return super().forward(x)
+
+    @property
+    def rank_bias(self) -> torch.Tensor | None:
+        return self.bias if self.tp_rank == 0 else None
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None
+    ) -> None:
+        dim = getattr(param, "input_dim", None)
+        if dim is None:
+            default_weight_loader(param, loaded_weight)
+            return
+        size = param.data.shape[dim]
+        copy_weight(param.data, read_range(loaded_weight, dim, self.tp_rank * size, size))
+
+
+def _fusable(linear: LinearBase, x: torch.Tensor, row: int) -> bool:
+    """A single short CUDA row into a full-precision weight: the GEMV kernels' case."""
+    unquantized = type(linear.quant_method) is UnquantizedLinearMethod
+    return unquantized and single_cuda_row(x) and row <= FUSED_MAX_ROW
 
 
 def rms_norm_linear(
-    norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm, linear: LinearBase, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), the residual taken as 0 when None; one
     kernel for a single short CUDA row."""
-    if single_cuda_row(x) and x.shape[1] <= FUSED_MAX_ROW:
-        return kernels.rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    if _fusable(linear, x, x.shape[1]):
+        out, residual = kernels.rms_norm_gemv(
+            x, residual, norm.weight, norm.eps, linear.weight, linear.rank_bias
+        )
+        return linear.combine(out), residual
     if residual is None:
         return linear(norm(x)), x
     x, residual = norm(x, residual)
     return linear(x), residual
 
 
-def silu_and_mul_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_linear(linear: LinearBase, x: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) * up) for x = [gate | up]; one kernel for a single short CUDA row."""
-    if single_cuda_row(x) and x.shape[1] // 2 <= FUSED_MAX_ROW:
-        return kernels.silu_and_mul_gemv(x, linear.weight, linear.bias)
+    if _fusable(linear, x, x.shape[1] // 2):
+        return linear.combine(kernels.silu_and_mul_gemv(x, linear.weight, linear.rank_bias))
     return linear(silu_and_mul(x))
-
-
-class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT))
-        bias = linear.bias.detach() if linear.bias is not None else None
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # oneDNN keeps memory for every row count it has seen (RSS grew without bound under
-        # random request lengths): pad the rows up to one of a few dozen sizes, at most 1/8 more
-        rows = x.shape[0]
-        padded = padded_rows(rows)
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        # dense in, dense out: no to_mkldnn / to_dense conversions around the GEMM
-        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return out[:rows]
-
-
-def padded_rows(rows: int) -> int:
-    """rows rounded up to a multiple of 2^(bit_length - 4): 8 sizes per power of two."""
-    step = 1 << max(0, rows.bit_length() - 4)
-    return -(-rows // step) * step
 
 
 # Row counts past this are left to be built when first met: such a GEMM takes far longer than
@@ -102,30 +386,29 @@ WARM_UP_MAX_ROWS = 2048
 
 @torch.inference_mode()
 def warm_up_packed_linears(model: nn.Module, max_rows: int, max_head_rows: int) -> None:
-    """Run each PackedLinear shape once at every padded row count it can meet, up to
+    """Run each oneDNN-packed weight's GEMM once at every padded row count it can meet, up to
     WARM_UP_MAX_ROWS (the lm_head sees one row per request sampled). oneDNN builds a kernel per
     shape and row count and keeps it, about 0.6 MiB and 0.7 ms each on SmolLM2's shapes: built
     here, that memory is taken at start-up instead of growing with each new batch size a server
     meets, and no step waits for a build. It adds about 1.4 s to SmolLM2's start-up here."""
     warmed = set()
     for name, module in model.named_modules():
-        if not isinstance(module, PackedLinear):
+        if not getattr(module, "onednn_packed", False):
             continue
         limit = min(max_head_rows if name == "lm_head" else max_rows, WARM_UP_MAX_ROWS)
-        shape = (module.in_features, module.out_features, module.bias is not None, limit)
+        rows_in = module.input_size_per_partition
+        shape = (rows_in, module.output_size_per_partition, module.rank_bias is not None, limit)
         if shape in warmed:
             continue
         warmed.add(shape)
         for rows in sorted({padded_rows(r) for r in range(1, limit + 1)}):
-            module(torch.zeros(rows, module.in_features))
+            module.quant_method.apply(module, torch.zeros(rows, rows_in), module.rank_bias)
 
 
-def pack_linear_layers(model: nn.Module) -> None:
-    """Replace every nn.Linear of a CPU fp32 model by a PackedLinear (a tied lm_head gets its
-    own packed copy of the embedding)."""
-    if not torch.backends.mkldnn.is_available():
-        return
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+@torch.no_grad()
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Each layer's quant_method prepares its loaded weights (oneDNN packing on CPU, ...)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

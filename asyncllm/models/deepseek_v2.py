@@ -13,8 +13,9 @@ from transformers import PretrainedConfig
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.kv_cache_spec import KVCacheSpec
 from asyncllm.attention.mla import MLADims, MLAttention, write_latent_cache
+from asyncllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from asyncllm.layers.fused_moe import RoutingConfig
-from asyncllm.layers.linear import Linear
+from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear, read_all
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, yarn_mscale
 from asyncllm.models.causal_lm import PieceShapes
@@ -38,24 +39,28 @@ class MLAProjections(nn.Module):
         self, config: PretrainedConfig, backend: AttentionBackend, rotary: RotaryEmbedding
     ) -> None:
         super().__init__()
+        if get_tensor_model_parallel_world_size() > 1:
+            raise ValueError(
+                "DeepSeek-V2 (latent attention) runs on one rank: tensor_parallel_size 1"
+            )
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.dims = mla_dims(config)
         dims = self.dims
         qk_dim = dims.qk_nope_head_dim + dims.qk_rope_head_dim
         bias = config.attention_bias
         if config.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * qk_dim, bias=False)
+            self.q_proj = ReplicatedLinear(hidden, heads * qk_dim, bias=False)
         else:
-            self.q_a_proj = Linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = Linear(config.q_lora_rank, heads * qk_dim, bias=False)
+            self.q_b_proj = ReplicatedLinear(config.q_lora_rank, heads * qk_dim, bias=False)
         width = dims.kv_lora_rank + dims.qk_rope_head_dim
-        self.kv_a_proj_with_mqa = Linear(hidden, width, bias=bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, width, bias=bias)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = UpProjection(
             dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim)
         )
-        self.o_proj = Linear(heads * dims.v_head_dim, hidden, bias=bias)
+        self.o_proj = ReplicatedLinear(heads * dims.v_head_dim, hidden, bias=bias)
         self.rotary = rotary
         self.attn = MLAttention(dims, backend.max_short_step_tokens)
 
@@ -172,7 +177,7 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 def _mlp(config: PretrainedConfig, index: int) -> nn.Module:
     if index < config.first_k_dense_replace or index % getattr(config, "moe_layer_freq", 1):
-        return MLP(config.hidden_size, config.intermediate_size)
+        return MLP(config.hidden_size, config.intermediate_size, None, f"model.layers.{index}.mlp")
     grouped = config.topk_method == "group_limited_greedy"
     routing = RoutingConfig(
         top_k=config.num_experts_per_tok,
@@ -183,33 +188,42 @@ def _mlp(config: PretrainedConfig, index: int) -> nn.Module:
     )
     shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
     return SparseMoeBlock(
-        config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, routing, shared
+        config.hidden_size,
+        config.n_routed_experts,
+        config.moe_intermediate_size,
+        routing,
+        f"model.layers.{index}.mlp",
+        shared,
     )
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def make_layer(
-        self, config: PretrainedConfig, backend: AttentionBackend, index: int
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        index: int,
+        quant_config: QuantizationConfig | None,
     ) -> nn.Module:
         # one cos/sin cache for every layer: V2-Lite's is 163,840 positions x 64
         if index == 0:
             self.rotary = mla_rotary(config)
         return DeepseekV2DecoderLayer(config, backend, self.rotary, index)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         loaded: set[str] = set()
         rest = self._load_full_rank_queries(load_expert_weights(self, weights, loaded), loaded)
         return super().load_weights(rest) | loaded
 
     def _load_full_rank_queries(
-        self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self, weights: Iterable[tuple[str, LoadedWeight]], loaded: set[str]
+    ) -> Iterator[tuple[str, LoadedWeight]]:
         """V2-Lite's q_proj (no q_lora_rank) is not the Llama q of a fused qkv."""
         for name, tensor in weights:
             if ".self_attn.q_proj." not in name:
                 yield name, tensor
                 continue
-            self.get_parameter(name).data.copy_(tensor)
+            self.get_parameter(name).data.copy_(read_all(tensor))
             loaded.add(name)
 
     @property

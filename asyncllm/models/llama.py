@@ -10,33 +10,65 @@ from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.kv_cache_spec import KVCacheSpec
-from asyncllm.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
+from asyncllm.layers.linear import (
+    LoadedWeight,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    QuantizationConfig,
+    RowParallelLinear,
+    default_weight_loader,
+    rms_norm_linear,
+    silu_and_mul_linear,
+)
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
+from asyncllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.models.causal_lm import PieceShapes
 
-# checkpoint name piece -> (fused parameter, shard index)
+# checkpoint name piece -> (fused parameter, shard id)
 _STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+    """This rank's heads: num_heads and num_kv_heads count the heads it holds."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        qk_norm: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         self.scale = self.head_dim**-0.5
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            total_heads,
+            total_kv_heads,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim,
+            config.hidden_size,
+            bias=getattr(config, "attention_bias", False),  # Llama's; Qwen2 biases q/k/v only
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(
@@ -47,9 +79,6 @@ class Attention(nn.Module):
             _rope_scaling(config),
         )
         self.backend = backend
-
-    def shard_sizes(self) -> list[int]:
-        return [self.q_size, self.kv_size, self.kv_size]
 
     def prepare_qkv(
         self,
@@ -74,14 +103,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def shard_sizes(self) -> list[int]:
-        return [self.intermediate_size, self.intermediate_size]
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_linear(self.down_proj, gate_up)
@@ -96,11 +139,15 @@ class DecoderLayer(nn.Module):
         config: PretrainedConfig,
         backend: AttentionBackend,
         qk_norm: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, qk_norm)
-        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = Attention(config, backend, qk_norm, quant_config, f"{prefix}.self_attn")
+        if mlp is None:
+            mlp = MLP(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -150,23 +197,39 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+    """Built for this process's tensor-parallel rank: each holds its share of the heads, of the
+    MLP's features and of the vocabulary."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix="model.embed_tokens"
+        )
         self.layers = nn.ModuleList(
-            self.make_layer(config, backend, i) for i in range(config.num_hidden_layers)
+            self.make_layer(config, backend, i, quant_config)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.tie_weights(self.embed_tokens)
 
     def make_layer(
-        self, config: PretrainedConfig, backend: AttentionBackend, index: int
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        index: int,
+        quant_config: QuantizationConfig | None,
     ) -> nn.Module:
-        return DecoderLayer(config, backend, qk_norm=config.model_type == "qwen3")
+        qk_norm = config.model_type == "qwen3"
+        return DecoderLayer(config, backend, qk_norm, quant_config, f"model.layers.{index}")
 
     def forward(
         self,
@@ -190,18 +253,21 @@ class LlamaForCausalLM(nn.Module):
         """In the model's dtype: the sampler widens them only when it needs to."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters, fusing q/k/v and gate/up."""
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Copy this rank's share of the checkpoint tensors (HF names) into the parameters,
+        fusing q/k/v and gate/up."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie_word_embeddings and name.startswith("lm_head")):
                 continue
-            target, shard = _fused_target(name)
+            target, shard_id = _fused_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            _copy_shard(self, params[target], target, shard, tensor)
+            param = params[target]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            weight_loader(param, tensor, shard_id)
             loaded.add(target)
         return loaded
 
@@ -217,23 +283,11 @@ class LlamaForCausalLM(nn.Module):
         return [KVCacheSpec(2, attn.num_kv_heads, attn.head_dim)] * len(self.layers)
 
 
-def _fused_target(name: str) -> tuple[str, int | None]:
+def _fused_target(name: str) -> tuple[str, str | int | None]:
     for piece, (fused, shard) in _STACKED.items():
         if f".{piece}." in name:
             return name.replace(piece, fused), shard
     return name, None
-
-
-def _copy_shard(
-    model: nn.Module, param: nn.Parameter, name: str, shard: int | None, tensor: torch.Tensor
-) -> None:
-    if shard is None:
-        param.data.copy_(tensor)
-        return
-    owner = model.get_submodule(name.rsplit(".", 2)[0])
-    sizes = owner.shard_sizes()
-    start = sum(sizes[:shard])
-    param.data[start : start + sizes[shard]].copy_(tensor)
 
 
 def _rope_parameters(config: PretrainedConfig) -> dict:

@@ -12,13 +12,13 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import ModelConfig
-from asyncllm.layers.linear import pack_linear_layers
+from asyncllm.layers.linear import LoadedWeight, process_weights_after_loading
 from asyncllm.models.registry import get_model_class
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     model_class = get_model_class(config.hf_config)
-    with torch.device(config.device), _default_dtype(config.dtype), _skip_random_init():
+    with torch.device(config.device), _default_dtype(config.dtype):
         model = model_class(config.hf_config, backend)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
@@ -28,8 +28,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
         if missing:
             raise ValueError(f"model: the checkpoint lacks {', '.join(sorted(missing)[:5])}")
     model = model.to(config.dtype).eval()
-    if config.device.type == "cpu" and config.dtype == torch.float32:
-        pack_linear_layers(model)
+    process_weights_after_loading(model)
     return model
 
 
@@ -45,26 +44,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-@contextlib.contextmanager
-def _skip_random_init() -> Iterator[None]:
-    """Every weight is overwritten right after construction: skip torch's costly random init."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
-
-
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of model.safetensors or of the shards an index names."""
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, LoadedWeight]]:
+    """Every tensor of model.safetensors or of the shards an index names, as a slice that reads
+    from the file only what the rank's weight loader indexes (its shard)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no .safetensors files in {folder} (use load_format='dummy'?)")
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.layers.fused_moe import EXPERT_SHARDS, FusedMoE, RoutingConfig
-from asyncllm.layers.linear import Linear
+from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear, read_all
 from asyncllm.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 
 # layers.N.mlp.experts.E.w1.weight (one expert), layers.N.mlp.experts.gate_up_proj (stacked)
@@ -29,14 +29,16 @@ class SparseMoeBlock(nn.Module):
         num_experts: int,
         intermediate_size: int,
         routing: RoutingConfig,
+        prefix: str,
         shared_intermediate_size: int = 0,
     ) -> None:
         super().__init__()
-        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, routing)
-        self.shared_experts = (
-            MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
-        )
+        self.shared_experts = None
+        if shared_intermediate_size:
+            shared_prefix = f"{prefix}.shared_experts"
+            self.shared_experts = MLP(hidden_size, shared_intermediate_size, None, shared_prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
@@ -56,37 +58,47 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 def load_expert_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    model: nn.Module, weights: Iterable[tuple[str, LoadedWeight]], loaded: set[str]
+) -> Iterator[tuple[str, LoadedWeight]]:
     """Stacks the experts' tensors into their FusedMoE (adding the parameters to loaded) and
-    passes every other tensor on; names lose their `model.` prefix."""
-    for name, tensor in weights:
+    passes every other tensor on; names lose their `model.` prefix. Each rank reads an expert
+    tensor whole, then keeps its slice."""
+    for name, weight in weights:
         name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         if match := _ONE_EXPERT.fullmatch(name):
             module, expert, projection = match.groups()
             target, shard = EXPERT_SHARDS[projection]
             experts = model.get_submodule(module)
-            experts.weight_loader(getattr(experts, target), tensor, int(expert), shard)
+            experts.weight_loader(getattr(experts, target), read_all(weight), int(expert), shard)
         elif match := _STACKED_EXPERTS.fullmatch(name):
             module, projection = match.groups()
-            model.get_submodule(module).load_stacked(projection, tensor)
+            model.get_submodule(module).load_stacked(projection, read_all(weight))
             target = "w2_weight" if projection == "down_proj" else "w13_weight"
         else:
-            yield name, tensor
+            yield name, weight
             continue
         loaded.add(f"{match.group(1)}.{target}")
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     def make_layer(
-        self, config: PretrainedConfig, backend: AttentionBackend, index: int
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        index: int,
+        quant_config: QuantizationConfig | None,
     ) -> nn.Module:
         routing = RoutingConfig(top_k=config.num_experts_per_tok, renormalize=True)
+        prefix = f"model.layers.{index}"
         moe = SparseMoeBlock(
-            config.hidden_size, config.num_local_experts, config.intermediate_size, routing
+            config.hidden_size,
+            config.num_local_experts,
+            config.intermediate_size,
+            routing,
+            f"{prefix}.mlp",
         )
-        return MoeDecoderLayer(config, backend, qk_norm=False, mlp=moe)
+        return MoeDecoderLayer(config, backend, False, quant_config, prefix, mlp=moe)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         loaded: set[str] = set()
         return super().load_weights(load_expert_weights(self, weights, loaded)) | loaded

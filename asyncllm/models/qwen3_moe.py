@@ -8,23 +8,33 @@ from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.layers.fused_moe import RoutingConfig
+from asyncllm.layers.linear import QuantizationConfig
 from asyncllm.models.llama import DecoderLayer
 from asyncllm.models.mixtral import MixtralForCausalLM, MoeDecoderLayer, SparseMoeBlock
 
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):
     def make_layer(
-        self, config: PretrainedConfig, backend: AttentionBackend, index: int
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        index: int,
+        quant_config: QuantizationConfig | None,
     ) -> nn.Module:
+        prefix = f"model.layers.{index}"
         if not _is_sparse(config, index):
-            return DecoderLayer(config, backend, qk_norm=True)
+            return DecoderLayer(config, backend, True, quant_config, prefix)
         routing = RoutingConfig(
             top_k=config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob)
         )
         moe = SparseMoeBlock(
-            config.hidden_size, config.num_experts, config.moe_intermediate_size, routing
+            config.hidden_size,
+            config.num_experts,
+            config.moe_intermediate_size,
+            routing,
+            f"{prefix}.mlp",
         )
-        return MoeDecoderLayer(config, backend, qk_norm=True, mlp=moe)
+        return MoeDecoderLayer(config, backend, True, quant_config, prefix, mlp=moe)
 
 
 def _is_sparse(config: PretrainedConfig, index: int) -> bool:

@@ -20,6 +20,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.distributed.communication_op import tensor_model_parallel_min
 from asyncllm.layers.linear import warm_up_packed_linears
 from asyncllm.models.causal_lm import CausalLM
 from asyncllm.models.loader import load_model
@@ -120,7 +121,8 @@ class ModelRunner:
             warm_up_packed_linears(
                 self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
             )
-            self.num_blocks = self._num_kv_blocks()
+            # every rank's cache holds the same blocks: the scheduler sees one block table
+            self.num_blocks = tensor_model_parallel_min(self._num_kv_blocks())
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             self._report_kv_cache()
             self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))

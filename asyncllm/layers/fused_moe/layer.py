@@ -1,8 +1,8 @@
 """FusedMoE: the routed experts of one layer, their weights stacked [E, ...] for the grouped GEMM.
 
 Under tensor parallelism each rank holds a slice of every expert's inner dimension (the columns
-of gate/up, the rows' inputs of down); its output is then a partial sum that the caller reduces
-across ranks, as after a row-parallel linear layer.
+of gate/up, the rows' inputs of down); its output is then a partial sum, all-reduced across ranks
+as a row-parallel linear layer's.
 """
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ import torch
 from torch import nn
 
 import kernels
+from asyncllm.distributed.communication_op import tensor_model_parallel_all_reduce
+from asyncllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from asyncllm.layers.fused_moe.routing import RoutingConfig, select_experts
 from asyncllm.layers.fused_moe.torch_experts import torch_experts
 
@@ -32,10 +37,13 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         routing: RoutingConfig,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        """tp_rank and tp_size default to this process's tensor-parallel rank and world."""
         super().__init__()
+        tp_rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+        tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
         if intermediate_size % tp_size:
             raise ValueError(f"moe intermediate size {intermediate_size} splits over {tp_size}")
         self.num_experts = num_experts
@@ -48,7 +56,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.routing)
         experts = kernels.fused_experts if x.is_cuda else torch_experts
-        return experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return tensor_model_parallel_all_reduce(out)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: int | None

@@ -1,0 +1,118 @@
+"""The linear methods: a layer's weight storage and GEMM, swapped by quantization while the
+layers and the model code stay as they are (vLLM's LinearMethodBase).
+
+The unquantized method keeps the two fast paths of full-precision weights: batch-1 decode on
+CUDA goes through kernels.gemv, and fp32 weights on CPU are stored in oneDNN's own layout.
+
+At batch 1 on an H200, cuBLAS reads a one-row GEMM's weights at a fraction of the copy
+bandwidth (bench/results/decode_gemv_h200.json). On this project's CPUs oneDNN runs the model's
+skinny fp32 GEMMs 1.5-4x faster than F.linear once the weight is stored in oneDNN's layout
+(measured: 32 x 576 x 49152 in 5.1 ms instead of 21.0 ms); its dense-in/dense-out op spares the
+to_mkldnn/to_dense copies of mkldnn_linear.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+# rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
+_ROWS_HINT = 32
+
+
+class LinearMethodBase(ABC):
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Registers this rank's parameters on layer. Each carries `input_dim` and `output_dim`
+        (the dim its checkpoint tensor is split along, or None), and `packed_dim` with
+        `packed_factor` where several values share one element."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional)
+        """Once the checkpoint is in, the model moved to its device and dtype."""
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ weight.T (+ bias) on this rank's share of the weight."""
+
+
+def set_weight_attrs(param: nn.Parameter, **attrs: object) -> None:
+    for name, value in attrs.items():
+        setattr(param, name, value)
+
+
+def single_cuda_row(x: torch.Tensor) -> bool:
+    """Batch-1 decode on CUDA, the GEMV kernels' case: at 8 rows cuBLAS was as fast as a
+    skinny kernel (bench/results/skinny_gemm_h200.json)."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        shape = (sum(output_partition_sizes), input_size_per_partition)
+        weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, input_dim=1, output_dim=0)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return
+        if not torch.backends.mkldnn.is_available():
+            return
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+        # a tied lm_head gets its own packed copy: the embedding keeps the dense parameter
+        del layer.weight
+        layer.register_buffer("weight", packed)
+        layer.onednn_packed = True
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if getattr(layer, "onednn_packed", False):
+            return _packed_linear(x, layer.weight, bias)
+        if single_cuda_row(x):
+            return kernels.gemv(x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
+
+
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # oneDNN keeps memory for every row count it has seen (RSS grew without bound under random
+    # request lengths): pad the rows up to one of a few dozen sizes, at most 1/8 more
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    # dense in, dense out: no to_mkldnn / to_dense conversions around the GEMM
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """rows rounded up to a multiple of 2^(bit_length - 4): 8 sizes per power of two."""
+    step = 1 << max(0, rows.bit_length() - 4)
+    return -(-rows // step) * step
