@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "sample": {"kernels", "sampling_params", "outputs"},
     "models": {"attention", "layers", "config", "model_files"},
     "core": {"config", "request", "sampling_params", "outputs"},
+    "spec_decode": {"core", "sample", "config", "request", "outputs", "sampling_params"},
     "worker": {
         "core",
         "models",
@@ -33,9 +34,19 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "outputs",
         "sampling_params",
+        "spec_decode",
     },
     "executor": {"worker", "core", "config"},
-    "engine": {"executor", "core", "config", "request", "outputs", "sampling_params", "errors"},
+    "engine": {
+        "executor",
+        "core",
+        "config",
+        "request",
+        "outputs",
+        "sampling_params",
+        "errors",
+        "spec_decode",
+    },
     "server": {"engine", "config", "outputs", "sampling_params", "model_files", "errors"},
 }
 ENTRY_POINTS = {"asyncllm", "cli", "serve"}  # may import anything

@@ -32,6 +32,7 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
+from asyncllm.spec_decode.verify import DraftVerification, verify_drafts
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner
@@ -72,13 +73,19 @@ class LaunchedModelStep:
     meta: SamplingMetadata | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
     done: torch.cuda.Event | None  # None on CPU, where the step ran to its end already
+    verification: DraftVerification | None = None  # a step that verified drafts, in host memory
 
     def wait(self) -> ModelRunnerOutput:
         """Blocks this thread (Event.synchronize releases the GIL) until the ids are here."""
         if self.done is not None:
             self.done.synchronize()
         output = ModelRunnerOutput(sampled_token_ids=[None] * self.num_scheduled)
-        if self.sampled is not None:
+        if self.verification is not None:
+            *firsts, output.verified = self.verification.results(
+                self.sampling_rows, self.num_scheduled
+            )
+            output.set_sampled(self.sampling_rows, *firsts)
+        elif self.sampled is not None:
             output.set_sampled(self.sampling_rows, *self.sampled.to_host(self.meta))
         output.prompt_logprobs = self.prompt_logprobs
         return output
@@ -151,10 +158,15 @@ class ModelRunner:
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans))
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         hidden, logits = self._forward(plan, inputs)
-        sampled = meta = None
+        sampled = meta = verification = None
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
-            sampled = self.sampler(logits, meta)
+            drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
+            if any(drafts):
+                verification = verify_drafts(self.sampler, logits, meta, drafts)
+                sampled = SamplerOutput(verification.next_token_ids, None)
+            else:
+                sampled = self.sampler(logits, meta)
             self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
             ids = [
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
@@ -163,6 +175,10 @@ class ModelRunner:
                 sampled.sampled_token_ids, dict(zip(ids, range(len(ids))))
             )
             sampled = _copy_to_host(sampled)
+            if verification is not None:
+                # they took several tokens: their counts restart from the host's next time
+                self.sampling_state.forget(i for i, d in zip(ids, drafts) if d)
+                verification = verification.copy_to_host()
         prompt_logprobs = {}
         if prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
@@ -175,6 +191,7 @@ class ModelRunner:
             meta,
             prompt_logprobs,
             self._record_event(),
+            verification,
         )
 
     def _forward(

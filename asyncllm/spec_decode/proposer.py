@@ -1,0 +1,43 @@
+"""Which requests speculate, and the host-side proposers that draft for them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from asyncllm.config import SpeculativeConfig
+from asyncllm.request import Request, RequestStatus
+from asyncllm.spec_decode.ngram import NgramProposer
+
+# methods whose proposer runs next to the target model in the worker (not yet here)
+_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
+
+
+def create_host_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
+    if config is None:
+        return None
+    if config.method in _MODEL_METHODS:
+        raise NotImplementedError(
+            f"speculative method {config.method!r} is not supported yet; use 'ngram'."
+        )
+    return NgramProposer(config)
+
+
+def may_speculate(request: Request) -> bool:
+    """Drafts are verified with every sampling setting except those that read the tokens
+    before each position (penalties, bad words, min_tokens' stop bans): requests using one
+    decode a token at a time, so their outputs stay exact."""
+    params = request.sampling_params
+    return (
+        request.status is RequestStatus.RUNNING
+        and not request.num_output_placeholders
+        and not params.uses_penalties
+        and not request.bad_words_token_ids
+        and request.num_output_tokens >= params.min_tokens
+    )
+
+
+def propose_drafts(proposer: NgramProposer, requests: Iterable[Request]) -> None:
+    """Leaves each request's drafts for the next step (none where it may not speculate)."""
+    for request in requests:
+        speculates = may_speculate(request)
+        request.spec_token_ids = proposer.propose(request.all_token_ids) if speculates else []
