@@ -47,7 +47,15 @@ ALLOWED: dict[str, set[str]] = {
         "errors",
         "spec_decode",
     },
-    "server": {"engine", "config", "outputs", "sampling_params", "model_files", "errors"},
+    "server": {
+        "engine",
+        "config",
+        "outputs",
+        "sampling_params",
+        "model_files",
+        "errors",
+        "spec_decode",
+    },
 }
 ENTRY_POINTS = {"asyncllm", "cli", "serve"}  # may import anything
 
