@@ -16,8 +16,8 @@ def make_request(prompt: list[int], max_tokens: int = 32, request_id: str = "r")
     return Request(request_id, prompt, params, max_tokens=max_tokens)
 
 
-def make_scheduler(**config) -> tuple[Scheduler, KVCacheManager]:
-    kv = KVCacheManager(64, BLOCK_SIZE)
+def make_scheduler(num_blocks: int = 64, **config) -> tuple[Scheduler, KVCacheManager]:
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE)
     config.setdefault("num_lookahead_tokens", 4)
     return Scheduler(SchedulerConfig(**config), kv), kv
 
@@ -137,3 +137,17 @@ def test_a_request_with_drafts_in_flight_waits_for_their_verdict():
     scheduler.update_from_output(first, verified(first, [5, 6, 1]))
     (scheduled,) = scheduler.schedule().scheduled
     assert scheduled.token_ids == [1]
+
+
+def test_drafts_without_room_are_dropped_instead_of_preempting():
+    scheduler, kv = make_scheduler(num_blocks=3)
+    request = make_request([1, 2, 3])
+    other = make_request([1, 9, 9, 9, 9], request_id="other")
+    scheduler.add_request(request)
+    scheduler.add_request(other)
+    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput([4, 5]))
+    assert kv.num_free_blocks == 0
+    request.spec_token_ids = [5, 6]  # positions 4 and 5 would need another block
+    output = scheduler.schedule()
+    assert [s.spec_token_ids for s in output.scheduled] == [[], []]
+    assert not output.preempted_req_ids

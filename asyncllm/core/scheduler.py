@@ -156,7 +156,13 @@ class Scheduler:
             if num_new == 0:
                 continue
             drafts = self._drafts(request, num_new, step.budget)
-            block_ids = self._allocate_or_preempt(request, num_new + len(drafts), step)
+            # drafts never preempt anyone: without room for them the request goes without
+            block_ids = None
+            if drafts:
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
+            if block_ids is None:
+                drafts = []
+                block_ids = self._allocate_or_preempt(request, num_new, step)
             if block_ids is not None:
                 self._record(request, num_new, block_ids, step, drafts)
 
