@@ -24,7 +24,16 @@ ALLOWED: dict[str, set[str]] = {
     "sample": {"kernels", "sampling_params", "outputs"},
     "models": {"attention", "layers", "config", "model_files"},
     "core": {"config", "request", "sampling_params", "outputs"},
-    "spec_decode": {"core", "sample", "config", "request", "outputs", "sampling_params"},
+    "spec_decode": {
+        "core",
+        "sample",
+        "models",
+        "attention",
+        "config",
+        "request",
+        "outputs",
+        "sampling_params",
+    },
     "worker": {
         "core",
         "models",

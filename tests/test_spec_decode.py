@@ -110,6 +110,36 @@ def test_penalised_requests_decode_without_drafts(tiny_pair):
     assert spec_stats(spec).num_drafts == before
 
 
+def test_draft_model_greedy_gives_the_default_models_own_tokens(default_model_dir):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kwargs = dict(max_model_len=256, kv_cache_memory=1 << 26)
+    plain = generate(LLM(**kwargs), COPYING, params)
+    config = {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
+    spec = LLM(**kwargs, speculative_config=config)
+    drafted = generate(spec, COPYING, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    stats = spec_stats(spec)
+    # the draft is the target itself: its drafts are the target's greedy tokens
+    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0), dict(temperature=0.9, top_k=8, seed=5)])
+def test_draft_model_of_another_model_gives_the_same_tokens(small_vocab_dir, tmp_path, settings):
+    """A random draft model of the same vocabulary: few drafts accepted, the output exact."""
+    config = transformers.AutoConfig.from_pretrained(small_vocab_dir)
+    config.num_hidden_layers = 1
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    kwargs = dict(model=str(small_vocab_dir), max_model_len=256, kv_cache_memory=1 << 24)
+    speculative = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **settings)
+    want = generate(LLM(**kwargs), SMALL_PROMPTS, params)
+    spec = LLM(**kwargs, speculative_config=speculative)
+    got = generate(spec, SMALL_PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec_stats(spec).num_draft_tokens > 0
+
+
 def test_unsupported_methods_are_refused(tiny_model_dir):
     config = {"method": "medusa", "num_speculative_tokens": 2, "model": "heads"}
     with pytest.raises(NotImplementedError, match="medusa"):

@@ -77,6 +77,8 @@ class ModelRunnerOutput:
 
     # a step that verified drafts: what each row produced
     verified: VerifiedTokens | None = None
+    # drafts a proposer next to the model made after this step's tokens, per row
+    draft_token_ids: list[list[int]] | None = None
 
     def tokens_of(self, row: int) -> list[int]:
         """Every token the row produced this step: none, one, or the accepted drafts and the

@@ -28,7 +28,7 @@ from asyncllm.engine.messages import (
 from asyncllm.executor import Executor, create_executor
 from asyncllm.request import Request, RequestStatus
 from asyncllm.spec_decode.metrics import SpecDecodingStats
-from asyncllm.spec_decode.proposer import create_host_proposer, propose_drafts
+from asyncllm.spec_decode.proposer import create_host_proposer, propose_drafts, take_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
-            spec_decoding=self.spec_decoding_stats.snapshot() if self.proposer else None,
+            spec_decoding=self.spec_decoding_stats.snapshot() if self.config.speculative else None,
         )
 
     def shutdown(self) -> None:
@@ -195,6 +195,9 @@ class EngineCore:
             )
         if self.proposer is not None:
             propose_drafts(self.proposer, self.scheduler.running)
+        elif runner_output.draft_token_ids is not None:
+            requests = (s.request for s in scheduler_output.scheduled)
+            take_drafts(requests, runner_output.draft_token_ids)
         return outputs
 
     def _fail_step(

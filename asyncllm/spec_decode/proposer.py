@@ -8,16 +8,18 @@ from asyncllm.config import SpeculativeConfig
 from asyncllm.request import Request, RequestStatus
 from asyncllm.spec_decode.ngram import NgramProposer
 
-# methods whose proposer runs next to the target model in the worker (not yet here)
-_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
+_UNSUPPORTED = ("eagle", "eagle3", "medusa")
 
 
 def create_host_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    if config is None:
+    """The proposer the engine core runs; None where drafts come from the worker (a draft
+    model runs next to the target and returns them with each step's output)."""
+    if config is None or config.method == "draft_model":
         return None
-    if config.method in _MODEL_METHODS:
+    if config.method in _UNSUPPORTED:
         raise NotImplementedError(
-            f"speculative method {config.method!r} is not supported yet; use 'ngram'."
+            f"speculative method {config.method!r} is not supported yet; use 'ngram' or "
+            "'draft_model'."
         )
     return NgramProposer(config)
 
@@ -34,6 +36,12 @@ def may_speculate(request: Request) -> bool:
         and not request.bad_words_token_ids
         and request.num_output_tokens >= params.min_tokens
     )
+
+
+def take_drafts(requests: Iterable[Request], drafts: Iterable[list[int]]) -> None:
+    """Leaves the worker's drafts on the requests that may speculate."""
+    for request, request_drafts in zip(requests, drafts):
+        request.spec_token_ids = request_drafts if may_speculate(request) else []
 
 
 def propose_drafts(proposer: NgramProposer, requests: Iterable[Request]) -> None:

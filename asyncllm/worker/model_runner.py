@@ -14,10 +14,11 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
-from asyncllm.config import EngineConfig
+from asyncllm.config import EngineConfig, ModelConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.layers.linear import warm_up_packed_linears
 from asyncllm.models.causal_lm import CausalLM
@@ -32,6 +33,7 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
+from asyncllm.spec_decode.draft_model import DraftModelProposer
 from asyncllm.spec_decode.verify import DraftVerification, verify_drafts
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
@@ -74,6 +76,7 @@ class LaunchedModelStep:
     prompt_logprobs: dict[str, PromptLogprobsChunk]
     done: torch.cuda.Event | None  # None on CPU, where the step ran to its end already
     verification: DraftVerification | None = None  # a step that verified drafts, in host memory
+    draft_token_ids: list[list[int]] | None = None  # the draft model's, per scheduled request
 
     def wait(self) -> ModelRunnerOutput:
         """Blocks this thread (Event.synchronize releases the GIL) until the ids are here."""
@@ -88,6 +91,7 @@ class LaunchedModelStep:
         elif self.sampled is not None:
             output.set_sampled(self.sampling_rows, *self.sampled.to_host(self.meta))
         output.prompt_logprobs = self.prompt_logprobs
+        output.draft_token_ids = self.draft_token_ids
         return output
 
 
@@ -119,11 +123,14 @@ class ModelRunner:
         with _stream_context(self.stream):
             backend = make_attention_backend(config.model.attention_backend)
             self.model: CausalLM = load_model(config.model, backend)
+            self.drafter = self._load_draft_model(backend)
             warm_up_packed_linears(
                 self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
             )
             self.num_blocks = self._num_kv_blocks()
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            if self.drafter is not None:
+                self.drafter.allocate_kv_caches(self.num_blocks, self.block_size)
             self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
             self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
             self.input_batch = InputBatch(
@@ -158,27 +165,33 @@ class ModelRunner:
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans))
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         hidden, logits = self._forward(plan, inputs)
-        sampled = meta = verification = None
+        if self.drafter is not None:
+            self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
+        sampled = meta = verification = draft_token_ids = None
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
             if any(drafts):
                 verification = verify_drafts(self.sampler, logits, meta, drafts)
-                sampled = SamplerOutput(verification.next_token_ids, None)
+                next_token_ids = verification.next_token_ids
             else:
                 sampled = self.sampler(logits, meta)
-            self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
+                next_token_ids = sampled.sampled_token_ids
+            self.sampling_state.record_sampled(meta, next_token_ids)
             ids = [
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
-            self._last_sampled = DeviceTokens(
-                sampled.sampled_token_ids, dict(zip(ids, range(len(ids))))
-            )
-            sampled = _copy_to_host(sampled)
+            self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
+            if self.drafter is not None:
+                draft_token_ids = self._draft(
+                    scheduler_output, inputs, next_token_ids, verification
+                )
             if verification is not None:
                 # they took several tokens: their counts restart from the host's next time
                 self.sampling_state.forget(i for i, d in zip(ids, drafts) if d)
                 verification = verification.copy_to_host()
+            else:
+                sampled = _copy_to_host(sampled)
         prompt_logprobs = {}
         if prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
@@ -192,7 +205,49 @@ class ModelRunner:
             prompt_logprobs,
             self._record_event(),
             verification,
+            draft_token_ids,
         )
+
+    def _load_draft_model(self, backend: AttentionBackend) -> DraftModelProposer | None:
+        speculative = self.config.speculative
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        args = dataclasses.replace(self.config.args, model=speculative.model)
+        draft = ModelConfig.from_args(args)
+        if draft.hf_config.vocab_size != self.config.model.hf_config.vocab_size:
+            raise ValueError("the draft model's vocabulary must be the target's.")
+        return DraftModelProposer(draft, backend, speculative.num_speculative_tokens)
+
+    def _draft(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        next_token_ids: torch.Tensor,
+        verification: DraftVerification | None,
+    ) -> list[list[int]]:
+        """The draft model's drafts after this step's tokens, per scheduled request; where the
+        request's next token sits depends on how many drafts were accepted (read here)."""
+        scheduled = [scheduler_output.scheduled[r] for r in inputs.sampling_rows]
+        accepted = [0] * len(scheduled)
+        if verification is not None:
+            accepted = verification.num_accepted.tolist()
+        positions = np.array(
+            [
+                s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) + a
+                for s, a in zip(scheduled, accepted)
+            ],
+            dtype=np.int64,
+        )
+        batch = self.input_batch
+        tables = batch.block_table[[batch.rows[s.request.request_id] for s in scheduled]]
+        capacity = np.array([len(s.block_ids) for s in scheduled]) * self.block_size
+        room = np.minimum(capacity, self.config.model.max_model_len) - positions
+        limits = np.clip(room, 0, self.drafter.num_tokens)
+        drafts = self.drafter.propose(next_token_ids, positions, tables, limits)
+        per_request: list[list[int]] = [[] for _ in scheduler_output.scheduled]
+        for row, row_drafts in zip(inputs.sampling_rows, drafts):
+            per_request[row] = row_drafts
+        return per_request
 
     def _forward(
         self, plan: StepPlan, inputs: StepInputs
@@ -265,7 +320,10 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.layer_geometry
         element = torch.empty((), dtype=self.config.model.dtype).element_size()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element
+        size = 2 * num_layers * self.block_size * num_kv_heads * head_dim * element
+        if self.drafter is not None:
+            size += self.drafter.bytes_per_block(self.block_size)
+        return size
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
