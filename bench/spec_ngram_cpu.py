@@ -81,8 +81,10 @@ def main() -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
-    plain = LLM(max_model_len=1024)
-    spec = LLM(max_model_len=1024, speculative_config=speculative)
+    # two engines side by side: a KV cache of 512 MiB each holds batch 8 at full length
+    engine = dict(max_model_len=1024, kv_cache_memory=512 << 20)
+    plain = LLM(**engine)
+    spec = LLM(**engine, speculative_config=speculative)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for llm in (plain, spec):  # warm-up
         llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=4),
