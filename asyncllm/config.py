@@ -56,6 +56,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # mp: worker processes on this machine; ray: Ray actors, on the machines of a Ray cluster
     distributed_executor_backend: str = "mp"
+    # vLLM's --speculative-config: a JSON object (a dict from Python) with method,
+    # num_speculative_tokens, model, prompt_lookup_min and prompt_lookup_max
+    speculative_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_args(self)
@@ -80,7 +83,10 @@ class EngineArgs:
         ):
             scheduler.max_num_batched_tokens = model.max_model_len
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        return EngineConfig(model, cache, scheduler, self, parallel)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None:
+            scheduler.num_lookahead_tokens = speculative.num_speculative_tokens
+        return EngineConfig(model, cache, scheduler, self, parallel, speculative)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -141,6 +147,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # when positive, the most tokens one request computes in a step
     long_prefill_token_threshold: int = 0
+    # draft tokens a request may verify in a step (speculative decoding; 0: off)
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -150,6 +158,56 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be non-negative.")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config keys. ngram looks the last prompt_lookup_max down to
+    prompt_lookup_min tokens up earlier in the request; the other methods propose from model
+    (a draft model of the same vocabulary, or EAGLE / EAGLE-3 / Medusa heads)."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                f"got {self.method!r}."
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config num_speculative_tokens must be at least 1.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max."
+            )
+        if self.method != "ngram" and self.model is None:
+            raise ValueError(f"speculative_config method {self.method!r} needs a model.")
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
+        """From the CLI's JSON text or LLM()'s dict; None or {} turns speculation off."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        if not value:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object.")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys: {', '.join(sorted(unknown))}.")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs method and num_speculative_tokens.")
+        return cls(**value)
 
 
 @dataclass
@@ -185,6 +243,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     args: EngineArgs
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
 
     @property
     def async_scheduling(self) -> bool:

@@ -63,6 +63,10 @@ class Request:
     stop_reason: int | str | None = None
     # chained hashes of this request's full blocks, filled by the KV cache manager
     block_hashes: list[int] = field(default_factory=list)
+    # speculative decoding: draft tokens proposed to follow all_token_ids, for the next step
+    # to verify, and the drafts of the step in flight (it is not scheduled ahead of them)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_in_flight: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -27,6 +27,16 @@ ALLOWED: dict[str, set[str]] = {
     "structured_output": {"sample", "sampling_params", "errors"},
     "models": {"attention", "layers", "distributed", "config", "model_files"},
     "core": {"config", "request", "sampling_params", "outputs"},
+    "spec_decode": {
+        "core",
+        "sample",
+        "models",
+        "attention",
+        "config",
+        "request",
+        "outputs",
+        "sampling_params",
+    },
     "worker": {
         "distributed",
         "core",
@@ -38,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
         "outputs",
         "sampling_params",
         "structured_output",
+        "spec_decode",
     },
     "executor": {"worker", "distributed", "core", "config"},
     "engine": {
@@ -50,6 +61,7 @@ ALLOWED: dict[str, set[str]] = {
         "errors",
         "debugging",
         "structured_output",
+        "spec_decode",
     },
     "server": {
         "engine",
@@ -60,6 +72,7 @@ ALLOWED: dict[str, set[str]] = {
         "errors",
         "debugging",
         "structured_output",
+        "spec_decode",
     },
 }
 ENTRY_POINTS = {"asyncllm", "cli", "serve"}  # may import anything

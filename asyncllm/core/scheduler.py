@@ -93,22 +93,24 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Appends the sampled tokens; returns the requests that finished."""
+        """Appends the sampled tokens; returns the requests that finished. A request that stops
+        part way through a verify step's tokens takes those up to the stop: the row's list in
+        model_runner_output.verified is cut to them."""
         finished: list[Request] = []
-        outputs = zip(
-            scheduler_output.scheduled, model_runner_output.sampled_token_ids, strict=True
-        )
-        for scheduled, token_id in outputs:
+        for row, scheduled in enumerate(scheduler_output.scheduled):
             request = scheduled.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
-            num_computed = scheduled.num_computed_tokens + scheduled.num_new_tokens
-            self.kv_cache_manager.cache_blocks(request, num_computed)
-            if token_id is None:
+            tokens = model_runner_output.tokens_of(row)
+            num_rejected = self._roll_back(scheduled, tokens)
+            num_computed = scheduled.num_computed_tokens + scheduled.num_new_tokens - num_rejected
+            if not tokens:
+                self.kv_cache_manager.cache_blocks(request, num_computed)
                 continue
             request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
+            status = self._append_tokens(request, tokens)
+            # rejected drafts never reach all_token_ids, so no block of them is ever hashed
+            self.kv_cache_manager.cache_blocks(request, min(num_computed, request.num_tokens))
             if status is not None:
                 request.status = status
                 self._free(request)
@@ -116,6 +118,26 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def _roll_back(self, scheduled: ScheduledRequest, tokens: list[int]) -> int:
+        """Takes the rejected drafts' positions off the request's computed tokens (their KV
+        is overwritten by the tokens that follow); returns how many there were."""
+        request = scheduled.request
+        request.num_spec_in_flight = 0
+        num_drafts = len(scheduled.spec_token_ids)
+        num_rejected = num_drafts - max(len(tokens) - 1, 0) if tokens else num_drafts
+        request.num_computed_tokens -= num_rejected
+        return num_rejected
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> RequestStatus | None:
+        """Appends tokens up to the first that stops the request (cutting the list there)."""
+        for taken, token_id in enumerate(tokens, 1):
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                del tokens[taken:]
+                return status
+        return None
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finishes requests from outside (abort, stop string); unknown ids are ignored."""
@@ -146,9 +168,16 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
             if num_new == 0:
                 continue
-            block_ids = self._allocate_or_preempt(request, num_new, step)
+            drafts = self._drafts(request, num_new, step.budget)
+            # drafts never preempt anyone: without room for them the request goes without
+            block_ids = None
+            if drafts:
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
+            if block_ids is None:
+                drafts = []
+                block_ids = self._allocate_or_preempt(request, num_new, step)
             if block_ids is not None:
-                self._record(request, num_new, block_ids, step)
+                self._record(request, num_new, block_ids, step, drafts)
 
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.budget > 0:
@@ -169,10 +198,12 @@ class Scheduler:
 
     def _may_run_ahead(self, request: Request) -> bool:
         """Whether to schedule a request whose last token is still being sampled: not when that
-        token is its last anyway."""
+        token is its last anyway, nor with speculation on: drafts follow the last token on the
+        host, and how many are accepted decides where the next step starts."""
         num_tokens = request.num_tokens + request.num_output_placeholders
         return (
-            request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+            not self.config.num_lookahead_tokens
+            and request.num_output_tokens + request.num_output_placeholders < request.max_tokens
             and num_tokens < self.config.max_model_len
         )
 
@@ -183,6 +214,20 @@ class Scheduler:
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(num_new, budget)
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's proposed drafts that fit after its last token: in the step's budget,
+        its max_tokens and max_model_len, each counting the token sampled after them."""
+        if not request.spec_token_ids or request.num_output_placeholders:
+            return []
+        if request.num_computed_tokens + num_new != request.num_tokens:
+            return []
+        room = min(
+            budget - num_new,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        return request.spec_token_ids[: max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
         while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
@@ -213,6 +258,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight is dropped and sampled again
+        request.spec_token_ids = []
+        request.num_spec_in_flight = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         undone = step.scheduled.pop(request.request_id, None)
@@ -233,10 +280,23 @@ class Scheduler:
         self.running.append(request)
         self._record(request, num_new, block_ids, step)
 
-    def _record(self, request: Request, num_new: int, block_ids: list[int], step: _Step) -> None:
-        scheduled = ScheduledRequest(request, num_new, request.num_computed_tokens, block_ids)
+    def _record(
+        self,
+        request: Request,
+        num_new: int,
+        block_ids: list[int],
+        step: _Step,
+        drafts: list[int] | None = None,
+    ) -> None:
+        drafts = drafts or []
+        num_new += len(drafts)
+        scheduled = ScheduledRequest(
+            request, num_new, request.num_computed_tokens, block_ids, drafts
+        )
         step.scheduled[request.request_id] = scheduled
         request.num_computed_tokens += num_new
+        request.spec_token_ids = []
+        request.num_spec_in_flight = len(drafts)
         if scheduled.completes_prompt:
             request.num_output_placeholders += 1
         step.budget -= num_new

@@ -20,6 +20,8 @@ class ScheduledRequest:
     num_computed_tokens: int
     # the request's whole block table after this step's allocation
     block_ids: list[int]
+    # draft tokens to verify, the last of num_new_tokens (speculative decoding)
+    spec_token_ids: list[int] = field(default_factory=list)
     # this step's input tokens known on the host when scheduled; one fewer than num_new_tokens
     # when the last is the token the step in flight samples (async scheduling)
     token_ids: list[int] = field(init=False)
@@ -27,8 +29,9 @@ class ScheduledRequest:
     completes_prompt: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        end = self.num_computed_tokens + self.num_new_tokens
+        end = self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
         self.token_ids = self.request.all_token_ids[self.num_computed_tokens : end]
+        self.token_ids += self.spec_token_ids
         self.completes_prompt = end >= self.request.num_tokens
 
 
@@ -51,6 +54,18 @@ class SchedulerOutput:
 
 
 @dataclass
+class VerifiedTokens:
+    """A verify step's results, one entry per scheduled request: the accepted drafts and the
+    token sampled after them (the bonus token when every draft was accepted). Rows without
+    drafts have empty lists (their one token is in sampled_token_ids)."""
+
+    token_ids: list[list[int]]
+    num_drafts: list[int]
+    # per row, the logprobs of each of its tokens, where the request asked for them
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+
+
+@dataclass
 class ModelRunnerOutput:
     # one entry per scheduled request, in the scheduled order; None where no token was sampled
     # (a prefill chunk that does not reach the end of the prompt)
@@ -59,6 +74,26 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None] | None = None
     # request id -> logprobs of the prompt tokens scored this step (prompt_logprobs)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+    # a step that verified drafts: what each row produced
+    verified: VerifiedTokens | None = None
+    # drafts a proposer next to the model made after this step's tokens, per row
+    draft_token_ids: list[list[int]] | None = None
+
+    def tokens_of(self, row: int) -> list[int]:
+        """Every token the row produced this step: none, one, or the accepted drafts and the
+        token sampled after them."""
+        if self.verified is not None and self.verified.token_ids[row]:
+            return self.verified.token_ids[row]
+        token_id = self.sampled_token_ids[row]
+        return [] if token_id is None else [token_id]
+
+    def logprobs_of(self, row: int) -> list[TokenLogprobs] | None:
+        verified = self.verified
+        if verified is not None and verified.logprobs is not None and verified.logprobs[row]:
+            return verified.logprobs[row]
+        entry = None if self.logprobs is None else self.logprobs[row]
+        return None if entry is None else [entry]
 
     def set_sampled(
         self, rows: list[int], token_ids: list[int], logprobs: list[TokenLogprobs | None] | None

@@ -31,6 +31,8 @@ from asyncllm.engine.messages import (
 from asyncllm.engine.profiler import CoreProfiler
 from asyncllm.executor import Executor, WorkerDiedError, create_executor
 from asyncllm.request import Request, RequestStatus
+from asyncllm.spec_decode.metrics import SpecDecodingStats
+from asyncllm.spec_decode.proposer import create_host_proposer, propose_drafts, take_drafts
 
 # how long an engine with nothing else to do waits for a grammar before looking at its inbox
 _GRAMMAR_POLL_S = 0.05
@@ -60,6 +62,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.depth = 2 if config.async_scheduling else 1
+        self.proposer = create_host_proposer(config.speculative)
+        self.spec_decoding_stats = SpecDecodingStats()
         self._in_flight: collections.deque[_LaunchedStep] = collections.deque()
         # finished and preempted ids of empty schedules, for the runner's next step
         self._unannounced = SchedulerOutput()
@@ -164,6 +168,7 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            spec_decoding=self.spec_decoding_stats.snapshot() if self.config.speculative else None,
         )
 
     def shutdown(self) -> None:
@@ -252,32 +257,39 @@ class EngineCore:
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        if runner_output.verified is not None:
+            self.spec_decoding_stats.observe(runner_output.verified)
         finished = {
             r.request_id for r in self.scheduler.update_from_output(scheduler_output, runner_output)
         }
         for request_id in finished:
             logger.debug("request %s: finished in the core", request_id)
         outputs = []
-        logprobs = runner_output.logprobs or [None] * len(scheduler_output.scheduled)
-        steps = zip(scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs)
-        for s, token_id, token_logprobs in steps:
+        for row, s in enumerate(scheduler_output.scheduled):
             request = s.request
             if request.status is not RequestStatus.RUNNING and request.request_id not in finished:
                 continue  # preempted, aborted or failed while the step ran: its token is dropped
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
-            if token_id is None and prompt_logprobs is None and request.request_id not in finished:
+            token_ids = runner_output.tokens_of(row)
+            if not token_ids and prompt_logprobs is None and request.request_id not in finished:
                 continue
+            logprobs = runner_output.logprobs_of(row)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[] if token_id is None else [token_id],
+                    new_token_ids=token_ids,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    new_logprobs=None if token_logprobs is None else [token_logprobs],
+                    new_logprobs=None if logprobs is None else logprobs[: len(token_ids)],
                     new_prompt_logprobs=prompt_logprobs,
                 )
             )
+        if self.proposer is not None:
+            propose_drafts(self.proposer, self.scheduler.running)
+        elif runner_output.draft_token_ids is not None:
+            requests = (s.request for s in scheduler_output.scheduled)
+            take_drafts(requests, runner_output.draft_token_ids)
         return outputs
 
     def _fail_step(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
 from asyncllm.request import RequestStatus
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
 
 @dataclass(frozen=True)

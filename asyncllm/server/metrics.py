@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.spec_decode.metrics import SpecDecodingStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -78,6 +79,22 @@ class EngineStatsCollector(Collector):
         )
         yield self._counter("prefix_cache_hits", "Tokens found in the prefix cache.", stats.prefix_cache_hits)  # fmt: skip
         yield self._iteration_tokens()
+        if stats.spec_decoding is not None:
+            yield from self._spec_decoding(stats.spec_decoding)
+
+    def _spec_decoding(self, spec: SpecDecodingStats) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters."""
+        yield self._counter("spec_decode_num_drafts", "Verify steps of one request with drafts.", spec.num_drafts)  # fmt: skip
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)  # fmt: skip
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)  # fmt: skip
+        per_pos = CounterMetricFamily(
+            "asyncllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position.",
+            labels=["model_name", "position"],
+        )
+        for position, n in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self.labels, str(position)], n)
+        yield per_pos
 
     def _iteration_tokens(self) -> Metric:
         """vLLM's histogram of the tokens each engine step computed, from the engine's count of

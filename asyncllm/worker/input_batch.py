@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from asyncllm.worker.step_plan import StepPlan, StepRunner
 
 
@@ -41,6 +41,17 @@ class DeviceTokens:
     token_ids: torch.Tensor  # int64 [R]
     rows: dict[str, int]  # request id -> index in token_ids
     lost: bool = False
+
+
+def _logits_rows(ends: np.ndarray, sampling: list[ScheduledRequest]) -> np.ndarray:
+    """Flat rows whose logits are sampled: each request's last, and before it one per draft
+    it verifies (the position of the token each draft follows)."""
+    num_drafts = np.array([len(s.spec_token_ids) for s in sampling], dtype=np.int64)
+    if not num_drafts.any():
+        return ends - 1
+    counts = num_drafts + 1
+    firsts = np.repeat(ends - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 class _Buffer:
@@ -90,7 +101,8 @@ class InputBatch:
         self.query_start_loc = _Buffer((max_num_reqs + 1,), torch.int32, device)
         self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)
         self.block_tables = _Buffer((max_num_reqs, max_blocks), torch.int32, device)
-        self.logits_indices = _Buffer((max_num_reqs,), torch.int64, device)
+        # a row per sampling request, or per scored position of a step verifying drafts
+        self.logits_indices = _Buffer((max_num_tokens,), torch.int64, device)
         # where tokens sampled on the device go in input_ids, and where they come from
         self.device_token_targets = _Buffer((max_num_reqs,), torch.int64, device)
         self.device_token_sources = _Buffer((max_num_reqs,), torch.int64, device)
@@ -141,8 +153,9 @@ class InputBatch:
         if len(sampling_rows) == num_tokens:  # one token a request, each sampling: rows in order
             logits_indices: torch.Tensor | slice = slice(0, num_tokens)
         else:
-            self.logits_indices.np[: len(sampling_rows)] = cu[sampling_rows] - 1
-            logits_indices = self.logits_indices.copy_rows(len(sampling_rows))
+            rows_logits = _logits_rows(cu[sampling_rows], [scheduled[r] for r in sampling_rows])
+            self.logits_indices.np[: len(rows_logits)] = rows_logits
+            logits_indices = self.logits_indices.copy_rows(len(rows_logits))
 
         self._pad(plan, num_reqs, num_tokens)
         meta = AttentionMetadata(

@@ -15,10 +15,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
-from asyncllm.config import EngineConfig
+from asyncllm.config import EngineConfig, ModelConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.distributed.communication_op import tensor_model_parallel_min
 from asyncllm.layers.linear import warm_up_packed_linears
@@ -35,6 +36,8 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
+from asyncllm.spec_decode.draft_model import DraftModelProposer
+from asyncllm.spec_decode.verify import DraftVerification, verify_drafts
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner
@@ -78,15 +81,23 @@ class LaunchedModelStep:
     meta: SamplingMetadata | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
     done: torch.cuda.Event | None  # None on CPU, where the step ran to its end already
+    verification: DraftVerification | None = None  # a step that verified drafts, in host memory
+    draft_token_ids: list[list[int]] | None = None  # the draft model's, per scheduled request
 
     def wait(self) -> ModelRunnerOutput:
         """Blocks this thread (Event.synchronize releases the GIL) until the ids are here."""
         if self.done is not None:
             self.done.synchronize()
         output = ModelRunnerOutput(sampled_token_ids=[None] * self.num_scheduled)
-        if self.sampled is not None:
+        if self.verification is not None:
+            *firsts, output.verified = self.verification.results(
+                self.sampling_rows, self.num_scheduled
+            )
+            output.set_sampled(self.sampling_rows, *firsts)
+        elif self.sampled is not None:
             output.set_sampled(self.sampling_rows, *self.sampled.to_host(self.meta))
         output.prompt_logprobs = self.prompt_logprobs
+        output.draft_token_ids = self.draft_token_ids
         return output
 
 
@@ -118,12 +129,15 @@ class ModelRunner:
         with _stream_context(self.stream):
             backend = make_attention_backend(config.model.attention_backend)
             self.model: CausalLM = load_model(config.model, backend)
+            self.drafter = self._load_draft_model(backend)
             warm_up_packed_linears(
                 self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
             )
             # every rank's cache holds the same blocks: the scheduler sees one block table
             self.num_blocks = tensor_model_parallel_min(self._num_kv_blocks())
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            if self.drafter is not None:
+                self.drafter.allocate_kv_caches(self.num_blocks, self.block_size)
             self._report_kv_cache()
             self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
             self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
@@ -162,24 +176,39 @@ class ModelRunner:
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans))
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         hidden, logits = self._forward(plan, inputs)
-        sampled = meta = None
+        if self.drafter is not None:
+            self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
+        sampled = meta = verification = draft_token_ids = None
         constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows)
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             # the grammars' allowed tokens, filled while the forward pass enqueued above runs,
-            # masked before the sampler processes the logits
+            # masked before the sampler processes the logits (constrained requests get no drafts)
             if constrained:
                 num_rows = len(inputs.sampling_rows)
                 apply_token_bitmask(logits, self.grammar_matchers.bitmask(constrained, num_rows))
-            sampled = self.sampler(logits, meta)
-            self.sampling_state.record_sampled(meta, sampled.sampled_token_ids)
+            drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
+            if any(drafts):
+                verification = verify_drafts(self.sampler, logits, meta, drafts)
+                next_token_ids = verification.next_token_ids
+            else:
+                sampled = self.sampler(logits, meta)
+                next_token_ids = sampled.sampled_token_ids
+            self.sampling_state.record_sampled(meta, next_token_ids)
             ids = [
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
-            self._last_sampled = DeviceTokens(
-                sampled.sampled_token_ids, dict(zip(ids, range(len(ids))))
-            )
-            sampled = _copy_to_host(sampled)
+            self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
+            if self.drafter is not None:
+                draft_token_ids = self._draft(
+                    scheduler_output, inputs, next_token_ids, verification
+                )
+            if verification is not None:
+                # they took several tokens: their counts restart from the host's next time
+                self.sampling_state.forget(i for i, d in zip(ids, drafts) if d)
+                verification = verification.copy_to_host()
+            else:
+                sampled = _copy_to_host(sampled)
         prompt_logprobs = {}
         if prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
@@ -195,7 +224,50 @@ class ModelRunner:
             meta,
             prompt_logprobs,
             done,
+            verification,
+            draft_token_ids,
         )
+
+    def _load_draft_model(self, backend: AttentionBackend) -> DraftModelProposer | None:
+        speculative = self.config.speculative
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        args = dataclasses.replace(self.config.args, model=speculative.model)
+        draft = ModelConfig.from_args(args)
+        if draft.hf_config.vocab_size != self.config.model.hf_config.vocab_size:
+            raise ValueError("the draft model's vocabulary must be the target's.")
+        return DraftModelProposer(draft, backend, speculative.num_speculative_tokens)
+
+    def _draft(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        next_token_ids: torch.Tensor,
+        verification: DraftVerification | None,
+    ) -> list[list[int]]:
+        """The draft model's drafts after this step's tokens, per scheduled request; where the
+        request's next token sits depends on how many drafts were accepted (read here)."""
+        scheduled = [scheduler_output.scheduled[r] for r in inputs.sampling_rows]
+        accepted = [0] * len(scheduled)
+        if verification is not None:
+            accepted = verification.num_accepted.tolist()
+        positions = np.array(
+            [
+                s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) + a
+                for s, a in zip(scheduled, accepted)
+            ],
+            dtype=np.int64,
+        )
+        batch = self.input_batch
+        tables = batch.block_table[[batch.rows[s.request.request_id] for s in scheduled]]
+        capacity = np.array([len(s.block_ids) for s in scheduled]) * self.block_size
+        room = np.minimum(capacity, self.config.model.max_model_len) - positions
+        limits = np.clip(room, 0, self.drafter.num_tokens)
+        drafts = self.drafter.propose(next_token_ids, positions, tables, limits)
+        per_request: list[list[int]] = [[] for _ in scheduler_output.scheduled]
+        for row, row_drafts in zip(inputs.sampling_rows, drafts):
+            per_request[row] = row_drafts
+        return per_request
 
     def _forward(
         self, plan: StepPlan, inputs: StepInputs
@@ -285,7 +357,10 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         dtype = self.config.model.dtype
-        return sum(spec.block_bytes(self.block_size, dtype) for spec in self.model.kv_cache_specs)
+        size = sum(spec.block_bytes(self.block_size, dtype) for spec in self.model.kv_cache_specs)
+        if self.drafter is not None:
+            size += self.drafter.bytes_per_block(self.block_size)
+        return size
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

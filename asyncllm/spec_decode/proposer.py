@@ -1,0 +1,53 @@
+"""Which requests speculate, and the host-side proposers that draft for them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from asyncllm.config import SpeculativeConfig
+from asyncllm.request import Request, RequestStatus
+from asyncllm.spec_decode.ngram import NgramProposer
+
+_UNSUPPORTED = ("eagle", "eagle3", "medusa")
+
+
+def create_host_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
+    """The proposer the engine core runs; None where drafts come from the worker (a draft
+    model runs next to the target and returns them with each step's output)."""
+    if config is None or config.method == "draft_model":
+        return None
+    if config.method in _UNSUPPORTED:
+        raise NotImplementedError(
+            f"speculative method {config.method!r} is not supported yet; use 'ngram' or "
+            "'draft_model'."
+        )
+    return NgramProposer(config)
+
+
+def may_speculate(request: Request) -> bool:
+    """Drafts are verified with every sampling setting except those that read the tokens
+    before each position (penalties, bad words, min_tokens' stop bans) and a structured-output
+    grammar (its mask covers one row per request): requests using one decode a token at a time,
+    so their outputs stay exact."""
+    params = request.sampling_params
+    return (
+        request.status is RequestStatus.RUNNING
+        and not request.num_output_placeholders
+        and not params.uses_penalties
+        and not request.bad_words_token_ids
+        and request.num_output_tokens >= params.min_tokens
+        and request.grammar is None
+    )
+
+
+def take_drafts(requests: Iterable[Request], drafts: Iterable[list[int]]) -> None:
+    """Leaves the worker's drafts on the requests that may speculate."""
+    for request, request_drafts in zip(requests, drafts):
+        request.spec_token_ids = request_drafts if may_speculate(request) else []
+
+
+def propose_drafts(proposer: NgramProposer, requests: Iterable[Request]) -> None:
+    """Leaves each request's drafts for the next step (none where it may not speculate)."""
+    for request in requests:
+        speculates = may_speculate(request)
+        request.spec_token_ids = proposer.propose(request.all_token_ids) if speculates else []

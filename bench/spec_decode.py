@@ -1,0 +1,190 @@
+"""The engine's cost of speculation alone (H200, a model shape with dummy weights).
+
+A benchmark proposer replays the target's own greedy tokens, each draft position kept with
+probability --acceptance and otherwise replaced by a token the target does not pick. So that
+the target's greedy tokens are known whatever the dummy weights and the bf16 rounding of each
+step's shape (random weights leave top logits so close that a verify step's rounding would
+flip some), every request carries a logit bias that makes one token its greedy choice; the
+engine without speculation runs the same requests. Against that engine in the same run: output
+tokens/s at batch 1 and batch 32, the mean tokens a verify step gives each request, and the
+verify step's time over a plain decode step's (engine steps counted at the executor), beside
+their floors: a decode step reads the weights once; a verify step too, and computes
+1 + num_speculative_tokens tokens a request.
+
+    python bench/spec_decode.py --shape llama-3.1-8b --out bench/results/spec_decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+# run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from asyncllm import LLM, SamplingParams  # noqa: E402
+from asyncllm.models.shapes import SHAPES, write_shape  # noqa: E402
+from bench.throughput import copy_bandwidth, matmul_rate, weight_count  # noqa: E402
+
+GREEDY_TOKEN = 1234  # every request's greedy choice, by its logit bias
+
+
+class ReplayProposer:
+    """Drafts the target's greedy token at every position, each kept with probability
+    `acceptance` (else the next id, which the target does not choose)."""
+
+    def __init__(self, k: int, acceptance: float, seed: int) -> None:
+        self.k = k
+        self.acceptance = acceptance
+        self.random = random.Random(seed)
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        draws = [self.random.random() for _ in range(self.k)]
+        return [GREEDY_TOKEN if u < self.acceptance else GREEDY_TOKEN + 1 for u in draws]
+
+
+def count_steps(llm: LLM) -> list[int]:
+    """Scheduled tokens of each step the engine launches from now on."""
+    executor = llm.core_client.core.executor
+    launch = executor.execute_model
+    steps: list[int] = []
+
+    def counted(scheduler_output):
+        steps.append(scheduler_output.total_num_scheduled_tokens)
+        return launch(scheduler_output)
+
+    executor.execute_model = counted
+    return steps
+
+
+def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list]:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logit_bias={GREEDY_TOKEN: 100.0}
+    )
+    # the prompts go in first, so the timed part is decode only
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1),
+                 use_tqdm=False)  # fmt: skip
+    steps = count_steps(llm)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # the prefix cache holds each prompt but its last token: one short step takes them in
+    decode_steps = len(steps) - 1
+    result = {
+        "seconds": seconds,
+        "output_tokens_per_s": tokens / seconds,
+        "engine_steps": len(steps),
+        "ms_per_decode_step": 1e3 * seconds / max(decode_steps, 1),
+        "tokens_per_step_per_request": tokens / max(decode_steps, 1) / len(prompts),
+    }
+    return result, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[i, *(rng.randrange(vocab) for _ in range(length - 1))] for i in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--acceptance", type=float, default=0.7)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--num-kv-blocks", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
+    config = transformers.AutoConfig.from_pretrained(path)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    k = args.num_speculative_tokens
+    engine = dict(
+        model=str(path),
+        load_format="dummy",
+        max_model_len=args.prompt_len + args.max_tokens + k + 8,
+        max_num_seqs=max(args.batch_sizes),
+        num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager,
+    )
+    plain = LLM(**engine)
+    spec = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    dtype_bytes = 2 if device.type == "cuda" else 4
+    rates = {
+        "matmul_flops_per_s": matmul_rate(
+            device, torch.bfloat16 if dtype_bytes == 2 else torch.float32
+        )
+    }
+    if device.type == "cuda":
+        rates["copy_bytes_per_s"] = copy_bandwidth(device)
+    weights = weight_count(config)
+
+    runs = {}
+    for batch in args.batch_sizes:
+        prompts = make_prompts(batch, args.prompt_len, config.vocab_size, seed=batch)
+        base, references = timed_run(plain, prompts, args.max_tokens)
+        spec.core_client.core.proposer = ReplayProposer(k, args.acceptance, seed=batch)
+        stats = spec.core_client.core.spec_decoding_stats
+        before = stats.snapshot()
+        drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
+        num_drafts = stats.num_drafts - before.num_drafts
+        accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+        drafted["mean_acceptance_length"] = 1 + accepted / max(num_drafts, 1)
+        drafted["same_tokens_as_without"] = spec_outputs == references
+        floors = {"decode_step_ms_weights_once": 1e3 * weights * dtype_bytes / rates["copy_bytes_per_s"]} if "copy_bytes_per_s" in rates else {}  # fmt: skip
+        floors["verify_step_ms_flops"] = (
+            1e3 * 2 * weights * batch * (k + 1) / rates["matmul_flops_per_s"]
+        )
+        floors["decode_step_ms_flops"] = 1e3 * 2 * weights * batch / rates["matmul_flops_per_s"]
+        runs[str(batch)] = {
+            "no_speculation": base,
+            "speculation": drafted,
+            "speedup": drafted["output_tokens_per_s"] / base["output_tokens_per_s"],
+            "verify_step_over_decode_step": drafted["ms_per_decode_step"] / base["ms_per_decode_step"],
+            "floors": floors,
+        }  # fmt: skip
+        print(
+            f"batch {batch}: {base['output_tokens_per_s']:.1f} -> "
+            f"{drafted['output_tokens_per_s']:.1f} tok/s ({runs[str(batch)]['speedup']:.2f}x), "
+            f"acceptance length {drafted['mean_acceptance_length']:.2f}, step "
+            f"{base['ms_per_decode_step']:.2f} -> {drafted['ms_per_decode_step']:.2f} ms, "
+            f"same tokens: {drafted['same_tokens_as_without']}"
+        )
+    result = {
+        "benchmark": "spec_decode",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "shape": args.shape,
+        "acceptance": args.acceptance,
+        "num_speculative_tokens": k,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "rates": rates,
+        "runs": runs,
+    }  # fmt: skip
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

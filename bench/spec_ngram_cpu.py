@@ -1,0 +1,137 @@
+"""n-gram speculation on CPU against none, in the same run: the default model (SmolLM2-135M
+Instruct), greedy, on a workload whose answers copy from their prompts (editing, extraction,
+summaries that quote). Batch 1 (one request at a time) and batch 8 (all together); output
+tokens/s of each, the speedup, the mean acceptance length (tokens a verify step gives a
+request), and whether the tokens are the same with and without speculation.
+
+    python bench/spec_ngram_cpu.py --out bench/results/spec_ngram_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+# run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from asyncllm import LLM, SamplingParams  # noqa: E402
+
+PARAGRAPH = (
+    "The commitee met on tuesday to discus the new budjet. Members agreed that the library "
+    "should recieve more funding, and that the park renovations would be postponed untill "
+    "next spring. The treasurer noted that revenue from parking fees had increased by twelve "
+    "percent, which was more then expected."
+)
+EMAIL = (
+    "From: Dana Smith <dana.smith@example.com>\nTo: Lee Wong <lee.wong@example.org>\n"
+    "Subject: Order 48213 delayed\nDate: 3 March 2025\n\nHi Lee, your order 48213 of two "
+    "standing desks will ship on 10 March 2025 from our Leeds warehouse. Call 0113 496 0000 "
+    "with questions. Regards, Dana"
+)
+CODE = (
+    "def total_price(items, tax_rate):\n    total = 0\n    for item in items:\n"
+    "        total = total + item.price * item.quantity\n    return total * (1 + tax_rate)\n"
+)
+TASKS = [
+    f"Fix the spelling mistakes in this text and return the whole corrected text:\n\n{PARAGRAPH}",
+    f"Extract the sender, the recipient, the order number and the ship date from this email, "
+    f"one per line as 'field: value':\n\n{EMAIL}",
+    f"Summarize this text in two sentences, quoting its key phrases exactly:\n\n{PARAGRAPH}",
+    f"Rename the variable `total` to `subtotal` in this code and return the whole code:\n\n{CODE}",
+    f"Copy this email, replacing the ship date with 12 March 2025:\n\n{EMAIL}",
+    f"Add a docstring to this function and return the whole function:\n\n{CODE}",
+    f"Rewrite this text in British spelling, changing nothing else:\n\n{PARAGRAPH}",
+    f"Quote the sentence of this email that gives the phone number, then the number:\n\n{EMAIL}",
+]
+
+
+def run(llm: LLM, batch: int, params: SamplingParams) -> tuple[float, list[list[int]]]:
+    conversations = [[{"role": "user", "content": task}] for task in TASKS]
+    start = time.perf_counter()
+    outputs = []
+    for i in range(0, len(conversations), batch):
+        outputs += llm.chat(conversations[i : i + batch], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--note", default="", help="recorded with the result (the machine's load)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    # two engines side by side: a KV cache of 512 MiB each holds batch 8 at full length
+    engine = dict(max_model_len=1024, kv_cache_memory=512 << 20)
+    plain = LLM(**engine)
+    spec = LLM(**engine, speculative_config=speculative)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    for llm in (plain, spec):  # warm-up
+        llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=4),
+                 use_tqdm=False)  # fmt: skip
+    runs = {}
+    for batch in args.batch_sizes:
+        stats = spec.core_client.core.spec_decoding_stats
+        before = stats.snapshot()
+        base_s, base_tokens = run(plain, batch, params)
+        spec_s, spec_tokens = run(spec, batch, params)
+        num_drafts = stats.num_drafts - before.num_drafts
+        accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+        tokens = sum(len(t) for t in base_tokens)
+        runs[str(batch)] = {
+            "output_tokens": tokens,
+            "no_speculation_tokens_per_s": tokens / base_s,
+            "ngram_tokens_per_s": sum(len(t) for t in spec_tokens) / spec_s,
+            "speedup": base_s / spec_s,
+            "mean_acceptance_length": 1 + accepted / max(num_drafts, 1),
+            "draft_acceptance_rate": accepted / max(stats.num_draft_tokens - before.num_draft_tokens, 1),
+            "same_tokens_as_without": spec_tokens == base_tokens,
+        }  # fmt: skip
+        r = runs[str(batch)]
+        print(
+            f"batch {batch}: {r['no_speculation_tokens_per_s']:.1f} -> "
+            f"{r['ngram_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x), acceptance length "
+            f"{r['mean_acceptance_length']:.2f}, same tokens: {r['same_tokens_as_without']}"
+        )
+    result = {
+        "benchmark": "spec_ngram_cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "device": f"cpu ({platform.machine()})",
+        "cpu_threads": torch.get_num_threads(),
+        "note": args.note,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "model": "SmolLM2-135M-Instruct (default)",
+        "speculative_config": speculative,
+        "max_tokens": args.max_tokens,
+        "num_tasks": len(TASKS),
+        "runs": runs,
+    }  # fmt: skip
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
