@@ -12,11 +12,10 @@ import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from asyncllm.server.state import REQUEST_ID, RESPONSE_ID
+from asyncllm.server.request_keys import DROPPED, REQUEST_ID, RESPONSE_ID
 
 ACCESS_LOGGER = "asyncllm.access"
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away before the answer
-DROPPED = web.RequestKey("dropped", bool)  # the client went away mid-answer
 _POLLED_PATHS = ("/health", "/metrics")  # logged at DEBUG: monitors poll them every few seconds
 
 

@@ -21,9 +21,10 @@ from asyncllm.server.args import ServerArgs
 from asyncllm.server.openai_routes import OpenAIRoutes
 from asyncllm.server.openapi import openapi_spec
 from asyncllm.server.protocol import ProtocolError, overloaded
+from asyncllm.server.request_keys import REQUEST_ID
 from asyncllm.server.response_store import ResponseStore, open_response_store
 from asyncllm.server.responses_api import ResponsesRoutes
-from asyncllm.server.state import REQUEST_ID, STATE, ServerState
+from asyncllm.server.state import STATE, ServerState
 from asyncllm.server.streaming import error_for, error_response, json_response
 from asyncllm.server.supervisor import start_supervisor
 

@@ -25,9 +25,10 @@ from asyncllm.server.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
+from asyncllm.server.request_keys import RESPONSE_ID
 from asyncllm.server.responses import ChunkBuilder
 from asyncllm.server.resumable import resume_point
-from asyncllm.server.state import RESPONSE_ID, Admission, ServerState
+from asyncllm.server.state import Admission, ServerState
 from asyncllm.server.streaming import (
     ChunkStream,
     NumberedEvents,

@@ -22,9 +22,9 @@ from aiohttp import web
 from asyncllm.server.fields import RESPONSES
 from asyncllm.server.openai_routes import OpenAIRoutes, read_json
 from asyncllm.server.protocol import ProtocolError, checked_fields
+from asyncllm.server.request_keys import RESPONSE_ID
 from asyncllm.server.response_store import ResponseStore, StoredResponse
 from asyncllm.server.resumable import resume_point
-from asyncllm.server.state import RESPONSE_ID
 from asyncllm.server.streaming import (
     ChunkStream,
     Event,

@@ -17,9 +17,6 @@ from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.protocol import ProtocolError, overloaded, timed_out
 from asyncllm.server.resumable import StreamRegistry
 
-REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, or a fresh one
-RESPONSE_ID = web.RequestKey("response_id", str)  # the completion's id, for the access log
-
 
 class Admission:
     """One admitted generation request. `cutoff` resolves to the error that ends it early:

@@ -22,8 +22,8 @@ from aiohttp import WSMsgType, web
 
 from asyncllm.engine.async_llm import EngineDeadError
 from asyncllm.errors import ValidationError
-from asyncllm.server.access_log import DROPPED
 from asyncllm.server.protocol import ProtocolError, from_validation_error
+from asyncllm.server.request_keys import DROPPED
 
 logger = logging.getLogger(__name__)
 
