@@ -18,9 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision
+from kernels._common import dot_precision, next_pow2
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
+# chunk x experts one-hot tile of the alignment kernels: 16K int32 spread over the warps
+_ONE_HOT_ELEMENTS = 16384
 
 
 @dataclass(frozen=True)
@@ -43,30 +45,110 @@ class ExpertAlignment:
 
 
 def align_by_expert(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> ExpertAlignment:
-    """topk_ids [T, k] -> the pairs t * k + j sorted by expert, padded per expert to block_m."""
-    flat = topk_ids.flatten().long()
+    """topk_ids [T, k] -> the pairs t * k + j sorted by expert (stable), padded per expert to
+    block_m. Three launches (chunk counts, prefix, placement) instead of a sort and a chain of
+    small torch ops, which cost more than the GEMMs themselves at a few hundred tokens."""
+    flat = topk_ids.flatten()
     num_pairs = flat.numel()
-    max_padded = num_pairs + num_experts * (block_m - 1)
-    max_padded = triton.cdiv(max_padded, block_m) * block_m
-    # scatter_add, not bincount: bincount reads the largest id back to the host (no capture)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
-    count_start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)
-    rank = torch.arange(num_pairs, device=flat.device) - count_start[flat[order]]
-    position = padded_start[flat[order]] + rank
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, position, order.to(torch.int32))
-    tile_starts = torch.arange(0, max_padded, block_m, device=flat.device)
-    block_experts = torch.searchsorted(padded_end, tile_starts, right=True)
-    return ExpertAlignment(
+    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    block_e = max(16, next_pow2(num_experts))
+    block_p = max(16, _ONE_HOT_ELEMENTS // block_e)
+    num_chunks = triton.cdiv(num_pairs, block_p)
+    device = flat.device
+    chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    chunk_args = (flat, chunk_counts, sorted_ids, num_pairs)
+    _expert_chunk_kernel[(num_chunks,)](*chunk_args, BLOCK_E=block_e, BLOCK_P=block_p, PLACE=False)
+    _expert_prefix_kernel[(1,)](
+        chunk_counts,
         sorted_ids,
-        block_experts.clamp_(max=num_experts - 1).to(torch.int32),
-        padded_end[-1:].to(torch.int32),
+        block_experts,
+        num_padded,
+        num_chunks,
+        num_pairs,
+        max_padded,
+        NUM_EXPERTS=num_experts,
+        BLOCK_E=block_e,
+        BLOCK_M=block_m,
+        BLOCK_C=16,
+        BLOCK_T=64,
+        num_warps=8,
     )
+    _expert_chunk_kernel[(num_chunks,)](*chunk_args, BLOCK_E=block_e, BLOCK_P=block_p, PLACE=True)
+    return ExpertAlignment(sorted_ids, block_experts, num_padded)
+
+
+@triton.jit
+def _expert_chunk_kernel(
+    ids_ptr,
+    chunk_counts_ptr,
+    sorted_ids_ptr,
+    num_pairs,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PLACE: tl.constexpr,
+):
+    """One chunk of pairs: without PLACE, its count per expert; with PLACE (chunk_counts now
+    holding each chunk's first row per expert), each pair's row: that base plus its rank among
+    the chunk's earlier pairs of the same expert."""
+    chunk = tl.program_id(0)
+    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    experts = tl.arange(0, BLOCK_E)
+    expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=BLOCK_E).to(tl.int32)
+    one_hot = (expert[:, None] == experts[None, :]).to(tl.int32)
+    row = chunk_counts_ptr + chunk * BLOCK_E + experts
+    if PLACE:
+        rank = tl.sum(tl.where(one_hot > 0, tl.cumsum(one_hot, 0) - 1, 0), 1)
+        base = tl.sum(one_hot * tl.load(row)[None, :], 1)
+        tl.store(sorted_ids_ptr + base + rank, pairs, mask=pairs < num_pairs)
+    else:
+        tl.store(row, tl.sum(one_hot, 0))
+
+
+@triton.jit
+def _expert_prefix_kernel(
+    chunk_counts_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_chunks,
+    num_pairs,
+    max_padded,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Each expert's padded run, each row tile's expert, the padding sentinel, and the chunk
+    counts turned in place into each chunk's first row per expert."""
+    experts = tl.arange(0, BLOCK_E)
+    chunks = tl.arange(0, BLOCK_C)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
+        counts += tl.sum(tl.load(rows, mask=(c0 + chunks < num_chunks)[:, None], other=0), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    base = padded_end - padded
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for c0 in range(0, num_chunks, BLOCK_C):
+        rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
+        mask = (c0 + chunks < num_chunks)[:, None]
+        block = tl.load(rows, mask=mask, other=0)
+        tl.store(rows, base[None, :] + tl.cumsum(block, 0) - block, mask=mask)
+        base += tl.sum(block, 0)
+    tiles = tl.arange(0, BLOCK_T)
+    for t0 in range(0, max_padded // BLOCK_M, BLOCK_T):
+        start = (t0 + tiles) * BLOCK_M
+        expert = tl.sum((padded_end[None, :] <= start[:, None]).to(tl.int32), 1)
+        tile_mask = start < max_padded
+        tl.store(block_experts_ptr + t0 + tiles, tl.minimum(expert, NUM_EXPERTS - 1), tile_mask)
+    for r0 in range(0, max_padded, BLOCK_T * BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
+        tl.store(sorted_ids_ptr + rows, num_pairs, mask=rows < max_padded)
 
 
 @triton.jit

@@ -99,3 +99,22 @@ def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatc
         assert fused_moe.tile_config(8, 1024, 4096, 3, cpu) == default_tile_config(3)
     finally:
         fused_moe._config_table.cache_clear()
+
+
+@pytest.mark.parametrize("num_experts,num_tokens", [(5, 700), (200, 600)])
+def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens) -> None:
+    # 1,400 pairs of 5 experts: two 1,024-pair chunks; of 200 experts: 19 chunks of 64, past
+    # the prefix kernel's 16-chunk step; experts left idle either way
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, num_experts - 2, (num_tokens, 2), generator=gen, dtype=torch.int32)
+    aligned = align_by_expert(ids.to(DEVICE), block_m=16, num_experts=num_experts)
+    flat, expected, experts = ids.flatten(), [], []
+    for e in range(num_experts):
+        run = (flat == e).nonzero().flatten().tolist()
+        run += [flat.numel()] * (-len(run) % 16)
+        expected += run
+        experts += [e] * (len(run) // 16)
+    assert int(aligned.num_padded) == len(expected)
+    assert aligned.sorted_pair_ids.tolist()[: len(expected)] == expected
+    assert set(aligned.sorted_pair_ids.tolist()[len(expected) :]) <= {flat.numel()}
+    assert aligned.block_experts.tolist()[: len(experts)] == experts
