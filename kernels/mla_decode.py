@@ -12,10 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, next_pow2, num_sms
+from kernels._common import dot_precision, next_pow2, num_sms, uses_pdl
+from kernels.decode_attention import _decode_reduce_kernel
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 16
+MAX_SPLITS = 64
+# a split reads at least this many tokens: fewer and its fp32 partial output (4 bytes x heads x
+# rank) outweighs the bf16 latents it read (2 x (rank + rope) per token)
+MIN_TOKENS_PER_SPLIT = 128
 
 
 @triton.jit
@@ -116,18 +120,24 @@ def _mla_decode_kernel(
         total = total * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
         m = m_new
-    part = (row * num_splits + split) * NUM_HEADS + heads
+    part = (row * NUM_HEADS + heads) * num_splits + split
     tl.store(part_max_ptr + part, m, mask=head_mask)
     tl.store(part_sum_ptr + part, total, mask=head_mask)
     out = part_out_ptr + part[:, None] * RANK + lat[None, :]
     tl.store(out, acc, mask=head_mask[:, None] & (lat < RANK)[None, :])
 
 
-def choose_mla_splits(num_rows: int, num_head_blocks: int, device: torch.device) -> int:
-    """Enough splits of each context to give every SM two programs; from shapes alone, so a
-    CUDA graph keeps its choice."""
+def choose_mla_splits(
+    num_rows: int, num_head_blocks: int, max_length: int, device: torch.device
+) -> int:
+    """Enough splits of each context to give every SM four programs (flash-decoding: a batch
+    of one would otherwise run on one SM per head block), none shorter than
+    MIN_TOKENS_PER_SPLIT of the block table's capacity; from shapes alone, so a CUDA graph
+    keeps its choice."""
     programs = max(num_rows * num_head_blocks, 1)
-    return max(1, min(MAX_SPLITS, 2 * num_sms(device) // programs))
+    by_occupancy = triton.cdiv(4 * num_sms(device), programs)
+    by_length = triton.cdiv(max_length, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
 
 def paged_mla_decode(
@@ -144,48 +154,62 @@ def paged_mla_decode(
     request[t]'s blocks -> [T, H, rank] (zeros where length is 0)."""
     num_rows, num_heads, width = query.shape
     rope = width - kv_lora_rank
+    block_size = kv_cache.shape[2]
     block_h = max(16, min(next_pow2(num_heads), 64))
     head_blocks = triton.cdiv(num_heads, block_h)
-    splits = num_splits or choose_mla_splits(num_rows, head_blocks, query.device)
-    shape = (num_rows, splits, num_heads)
+    capacity = block_tables.shape[1] * block_size
+    splits = num_splits or choose_mla_splits(num_rows, head_blocks, capacity, query.device)
+    shape = (num_rows, num_heads, splits)
     part_out = torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=query.device)
     part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
     part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
-    if num_rows:
-        _mla_decode_kernel[(num_rows, head_blocks, splits)](
-            query,
-            kv_cache,
-            block_tables,
-            request,
-            length,
-            part_out,
-            part_max,
-            part_sum,
-            scale * _LOG2E,
-            query.stride(0),
-            query.stride(1),
-            block_tables.stride(0),
-            NUM_HEADS=num_heads,
-            RANK=kv_lora_rank,
-            ROPE=rope,
-            BLOCK_H=block_h,
-            BLOCK_L=next_pow2(kv_lora_rank),
-            BLOCK_R=max(16, next_pow2(rope)),
-            BLOCK_SIZE=kv_cache.shape[2],
-            TILE_N=16 if query.dtype == torch.float32 else 32,
-            PRECISION=dot_precision(query.dtype),
-            num_warps=4 if kv_lora_rank <= 256 else 8,
-            num_stages=2,
-        )
-    return _merge_splits(part_out, part_max, part_sum).to(query.dtype)
-
-
-def _merge_splits(
-    part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor
-) -> torch.Tensor:
-    """Softmax-weighted sum of the splits' partial outputs [T, S, H, rank] -> [T, H, rank]."""
-    top = part_max.amax(1, keepdim=True)
-    weight = torch.where(part_sum > 0, torch.exp2(part_max - top), torch.zeros_like(part_sum))
-    numerator = (weight[..., None] * part_out).sum(1)
-    denominator = (weight * part_sum).sum(1)
-    return numerator / torch.where(denominator > 0, denominator, 1.0)[..., None]
+    out = torch.empty(num_rows, num_heads, kv_lora_rank, dtype=query.dtype, device=query.device)
+    if not num_rows:
+        return out
+    fp32 = query.dtype == torch.float32
+    _mla_decode_kernel[(num_rows, head_blocks, splits)](
+        query,
+        kv_cache,
+        block_tables,
+        request,
+        length,
+        part_out,
+        part_max,
+        part_sum,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        RANK=kv_lora_rank,
+        ROPE=rope,
+        BLOCK_H=block_h,
+        BLOCK_L=next_pow2(kv_lora_rank),
+        BLOCK_R=max(16, next_pow2(rope)),
+        BLOCK_SIZE=block_size,
+        TILE_N=16 if fp32 else 32,
+        PRECISION=dot_precision(query.dtype),
+        num_warps=4 if kv_lora_rank <= 256 else 8,
+        # three 32-token latent tiles in flight: ~110 KB of shared memory at rank 512
+        num_stages=3,
+    )
+    pdl = uses_pdl(query.device)
+    # one launch merges the splits (the torch merge was a dozen kernels: most of the time at
+    # small batch)
+    _decode_reduce_kernel[(num_rows, num_heads)](
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        splits,
+        num_heads,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=kv_lora_rank,
+        BLOCK_D=next_pow2(kv_lora_rank),
+        BLOCK_S=next_pow2(splits),
+        USE_PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
+    return out
