@@ -118,3 +118,11 @@ def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_token
     assert aligned.sorted_pair_ids.tolist()[: len(expected)] == expected
     assert set(aligned.sorted_pair_ids.tolist()[len(expected) :]) <= {flat.numel()}
     assert aligned.block_experts.tolist()[: len(experts)] == experts
+
+
+def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
+    # 512 tokens, top-8 of 128 experts: 32 rows each; of 8 experts, top-2: 128; 8,192 of 8: 2,048
+    assert default_tile_config(512, 32.0).block_m == 32
+    assert default_tile_config(512, 128.0).block_m == 64
+    assert default_tile_config(8192, 2048.0).block_m == 128
+    assert default_tile_config(8).block_m == 16
