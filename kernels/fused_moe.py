@@ -61,7 +61,8 @@ def align_by_expert(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> E
     block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     chunk_args = (flat, chunk_counts, sorted_ids, num_pairs)
-    _expert_chunk_kernel[(num_chunks,)](*chunk_args, BLOCK_E=block_e, BLOCK_P=block_p, PLACE=False)
+    chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8}
+    _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=False, **chunk_launch)
     _expert_prefix_kernel[(1,)](
         chunk_counts,
         sorted_ids,
@@ -77,7 +78,7 @@ def align_by_expert(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> E
         BLOCK_T=64,
         num_warps=8,
     )
-    _expert_chunk_kernel[(num_chunks,)](*chunk_args, BLOCK_E=block_e, BLOCK_P=block_p, PLACE=True)
+    _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=True, **chunk_launch)
     return ExpertAlignment(sorted_ids, block_experts, num_padded)
 
 

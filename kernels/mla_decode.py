@@ -16,7 +16,7 @@ from kernels._common import dot_precision, next_pow2, num_sms, uses_pdl
 from kernels.decode_attention import _decode_reduce_kernel
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
+MAX_SPLITS = 32
 # a split reads at least this many tokens: fewer and its fp32 partial output (4 bytes x heads x
 # rank) outweighs the bf16 latents it read (2 x (rank + rope) per token)
 MIN_TOKENS_PER_SPLIT = 128
@@ -131,7 +131,7 @@ def choose_mla_splits(
     num_rows: int, num_head_blocks: int, max_length: int, device: torch.device
 ) -> int:
     """Enough splits of each context to give every SM four programs (flash-decoding: a batch
-    of one would otherwise run on one SM per head block), none shorter than
+    of one would otherwise run on one SM per head block), at most MAX_SPLITS, none shorter than
     MIN_TOKENS_PER_SPLIT of the block table's capacity; from shapes alone, so a CUDA graph
     keeps its choice."""
     programs = max(num_rows * num_head_blocks, 1)
@@ -209,7 +209,7 @@ def paged_mla_decode(
         BLOCK_D=next_pow2(kv_lora_rank),
         BLOCK_S=next_pow2(splits),
         USE_PDL=pdl,
-        num_warps=4,
+        num_warps=8,  # a [splits, rank 512] fp32 tile: 64 registers a thread at 32 splits
         launch_pdl=pdl,
     )
     return out
