@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from asyncllm.layers.fused_moe.torch_experts import torch_experts
-from kernels.fused_moe import MoeTileConfig, align_by_expert, default_tile_config, fused_experts
+from kernels.fused_moe import (
+    MoeTileConfig,
+    align_by_expert,
+    default_tile_config,
+    fused_experts,
+    uses_one_pair_tiles,
+)
 
 FULL = torch.cuda.is_available()
 DEVICE = "cuda" if FULL else "cpu"
@@ -126,3 +132,22 @@ def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
     assert default_tile_config(512, 128.0).block_m == 64
     assert default_tile_config(8192, 2048.0).block_m == 128
     assert default_tile_config(8).block_m == 16
+
+
+@pytest.mark.parametrize("name", ["three_tokens_some_experts_idle", "odd_batch_random"])
+def test_one_pair_tiles_match_torch_when_pairs_share_experts(name, monkeypatch) -> None:
+    import kernels.fused_moe as fused_moe
+
+    monkeypatch.setattr(fused_moe, "uses_one_pair_tiles", lambda *_: True)
+    topk_weights, topk_ids = routing(ROUTINGS[name])
+    w13, w2 = weights(torch.float32)
+    x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, default_tile_config(1))
+    ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
+    assert relative_error(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_one_pair_tiles_only_where_pairs_rarely_share_experts() -> None:
+    assert uses_one_pair_tiles(1, 8, 128) and uses_one_pair_tiles(4, 8, 128)
+    assert not uses_one_pair_tiles(8, 8, 128)
+    assert uses_one_pair_tiles(1, 2, 8) and not uses_one_pair_tiles(2, 2, 8)
