@@ -55,6 +55,7 @@ def _mla_decode_kernel(
     block_tables_ptr,
     request_ptr,
     length_ptr,
+    out_ptr,
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -70,9 +71,11 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Unnormalised output, running max (log2 units) and sum of BLOCK_H heads over one split."""
+    """BLOCK_H heads over one split: with SPLIT, the unnormalised output, running max (log2
+    units) and sum, for the merge; else (one split) the output itself [T, H, RANK]."""
     row = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,11 +123,16 @@ def _mla_decode_kernel(
         total = total * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
         m = m_new
-    part = (row * NUM_HEADS + heads) * num_splits + split
-    tl.store(part_max_ptr + part, m, mask=head_mask)
-    tl.store(part_sum_ptr + part, total, mask=head_mask)
-    out = part_out_ptr + part[:, None] * RANK + lat[None, :]
-    tl.store(out, acc, mask=head_mask[:, None] & (lat < RANK)[None, :])
+    out_mask = head_mask[:, None] & (lat < RANK)[None, :]
+    if SPLIT:
+        part = (row * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_max_ptr + part, m, mask=head_mask)
+        tl.store(part_sum_ptr + part, total, mask=head_mask)
+        tl.store(part_out_ptr + part[:, None] * RANK + lat[None, :], acc, mask=out_mask)
+    else:
+        acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out = out_ptr + (row * NUM_HEADS + heads)[:, None] * RANK + lat[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def choose_mla_splits(
@@ -135,6 +143,8 @@ def choose_mla_splits(
     MIN_TOKENS_PER_SPLIT of the block table's capacity; from shapes alone, so a CUDA graph
     keeps its choice."""
     programs = max(num_rows * num_head_blocks, 1)
+    if programs >= num_sms(device):  # a wave already: splitting would only add the merge
+        return 1
     by_occupancy = triton.cdiv(4 * num_sms(device), programs)
     by_length = triton.cdiv(max_length, MIN_TOKENS_PER_SPLIT)
     return max(1, min(MAX_SPLITS, by_occupancy, by_length))
@@ -159,13 +169,17 @@ def paged_mla_decode(
     head_blocks = triton.cdiv(num_heads, block_h)
     capacity = block_tables.shape[1] * block_size
     splits = num_splits or choose_mla_splits(num_rows, head_blocks, capacity, query.device)
-    shape = (num_rows, num_heads, splits)
-    part_out = torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=query.device)
-    part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
-    part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
     out = torch.empty(num_rows, num_heads, kv_lora_rank, dtype=query.dtype, device=query.device)
     if not num_rows:
         return out
+    split = splits > 1
+    if split:
+        shape = (num_rows, num_heads, splits)
+        part_out = torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=query.device)
+        part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_max = part_sum = out
     fp32 = query.dtype == torch.float32
     _mla_decode_kernel[(num_rows, head_blocks, splits)](
         query,
@@ -173,6 +187,7 @@ def paged_mla_decode(
         block_tables,
         request,
         length,
+        out,
         part_out,
         part_max,
         part_sum,
@@ -188,11 +203,14 @@ def paged_mla_decode(
         BLOCK_R=max(16, next_pow2(rope)),
         BLOCK_SIZE=block_size,
         TILE_N=16 if fp32 else 32,
+        SPLIT=split,
         PRECISION=dot_precision(query.dtype),
         num_warps=4 if kv_lora_rank <= 256 else 8,
         # three 32-token latent tiles in flight: ~110 KB of shared memory at rank 512
         num_stages=3,
     )
+    if not split:
+        return out
     pdl = uses_pdl(query.device)
     # one launch merges the splits (the torch merge was a dozen kernels: most of the time at
     # small batch)

@@ -77,4 +77,5 @@ def test_splits_fill_the_gpu_at_small_batch_and_keep_long_splits() -> None:
     cpu = torch.device("cpu")  # 8 "SMs" here
     assert choose_mla_splits(1, 1, 4096, cpu) == 32  # four programs per SM
     assert choose_mla_splits(1, 1, 256, cpu) == 2  # no split under 128 tokens
-    assert choose_mla_splits(64, 1, 4096, cpu) == 1
+    assert choose_mla_splits(4, 1, 4096, cpu) == 8
+    assert choose_mla_splits(8, 1, 4096, cpu) == 1  # a program per SM already
