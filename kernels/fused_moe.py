@@ -25,6 +25,8 @@ from kernels._common import dot_precision, next_pow2
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
 # chunk x experts one-hot tile of the alignment kernels: 16K int32 spread over the warps
 _ONE_HOT_ELEMENTS = 16384
+# shared memory kept back from the GEMM's pipeline for its epilogue's layout conversion
+_EPILOGUE_SHARED_BYTES = 24 * 1024
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,7 @@ def _grouped_gemm(
     config: MoeTileConfig,
 ) -> None:
     num_pairs = out.shape[0]
+    silu_and_mul = w.shape[1] == 2 * n
     grid = (alignment.block_experts.numel() * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](
         a,
@@ -275,7 +278,7 @@ def _grouped_gemm(
         out.stride(0),
         ROWS_PER_A=rows_per_a,
         ONE_PAIR_TILES=alignment.one_pair_tiles,
-        SILU_AND_MUL=w.shape[1] == 2 * n,
+        SILU_AND_MUL=silu_and_mul,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=16 if alignment.one_pair_tiles else config.block_m,
         BLOCK_N=config.block_n,
@@ -283,8 +286,26 @@ def _grouped_gemm(
         GROUP_M=config.group_m,
         PRECISION=dot_precision(a.dtype),
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=_stages_that_fit(config, a.element_size(), silu_and_mul, a.device),
     )
+
+
+def _stages_that_fit(
+    config: MoeTileConfig, element_size: int, silu_and_mul: bool, device: torch.device
+) -> int:
+    """config.num_stages, fewer where the tiles' pipeline would overflow shared memory (fp32
+    inputs take twice bf16's bytes; a table tuned in bf16 can ask for 4 stages of 128 x 64)."""
+    if device.type != "cuda":
+        return config.num_stages
+    weight_tiles = 2 if silu_and_mul else 1
+    stage = (config.block_m + weight_tiles * config.block_n) * config.block_k * element_size
+    room = _shared_memory(device.index or 0) - _EPILOGUE_SHARED_BYTES
+    return max(1, min(config.num_stages, room // stage))
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_memory(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
 def fused_experts(

@@ -151,3 +151,13 @@ def test_one_pair_tiles_only_where_pairs_rarely_share_experts() -> None:
     assert uses_one_pair_tiles(1, 8, 128) and uses_one_pair_tiles(4, 8, 128)
     assert not uses_one_pair_tiles(8, 8, 128)
     assert uses_one_pair_tiles(1, 2, 8) and not uses_one_pair_tiles(2, 2, 8)
+
+
+def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
+    import kernels.fused_moe as fused_moe
+
+    monkeypatch.setattr(fused_moe, "_shared_memory", lambda index: 232448)  # the H100/H200's
+    cuda, tiles = torch.device("cuda", 0), MoeTileConfig(128, 128, 64, 16, 8, 4)
+    assert fused_moe._stages_that_fit(tiles, 2, True, cuda) == 4  # bf16: 48 KB a stage
+    assert fused_moe._stages_that_fit(tiles, 4, True, cuda) == 2  # fp32 gate and up: 96 KB
+    assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
