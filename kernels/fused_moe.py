@@ -46,8 +46,9 @@ class ExpertAlignment:
     sorted_pair_ids: torch.Tensor  # int32 [max_padded]: pair index, num_pairs for padding
     block_experts: torch.Tensor  # int32 [max_padded // block_m]: each row tile's expert
     num_padded: torch.Tensor  # int32 [1]: rows in use (the rest are skipped)
-    # each row tile holds the one pair of its index (block_experts: the flat topk ids), so
-    # nothing is sorted: at a token or two the alignment's launches cost more than the GEMMs
+    # each row tile holds the one pair of its index (block_experts: the flat topk ids; the
+    # other two fields unused), so nothing is sorted: at a token or two the alignment's
+    # launches cost more than the GEMMs
     one_pair_tiles: bool = False
 
 
