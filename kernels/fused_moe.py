@@ -4,6 +4,7 @@ and one for down (routing weights applied), over the (token, choice) pairs sorte
 The pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M
 (align_by_expert), so every row tile of the grouped GEMM belongs to one expert and reads its
 weights once; the padding rows hold a sentinel index past the last pair and are masked.
+At a token or two each row tile takes one pair instead, with no alignment launches at all.
 Everything stays on the device with fixed-size outputs: no host sync, so CUDA graphs capture it.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision
+from kernels._common import dot_precision, next_pow2
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
+# chunk x experts one-hot tile of the alignment kernels: 16K int32 spread over the warps
+_ONE_HOT_ELEMENTS = 16384
+# shared memory kept back from the GEMM's pipeline for its epilogue's layout conversion
+_EPILOGUE_SHARED_BYTES = 24 * 1024
 
 
 @dataclass(frozen=True)
@@ -40,33 +46,131 @@ class ExpertAlignment:
     sorted_pair_ids: torch.Tensor  # int32 [max_padded]: pair index, num_pairs for padding
     block_experts: torch.Tensor  # int32 [max_padded // block_m]: each row tile's expert
     num_padded: torch.Tensor  # int32 [1]: rows in use (the rest are skipped)
+    # each row tile holds the one pair of its index (block_experts: the flat topk ids; the
+    # other two fields unused), so nothing is sorted: at a token or two the alignment's
+    # launches cost more than the GEMMs
+    one_pair_tiles: bool = False
+
+
+def pairs_as_tiles(topk_ids: torch.Tensor) -> ExpertAlignment:
+    """The alignment with one pair per row tile, launch-free; it reads each pair's expert
+    separately, so it is for pairs that rarely share an expert (see uses_one_pair_tiles)."""
+    flat = topk_ids.flatten()
+    return ExpertAlignment(flat, flat, flat, one_pair_tiles=True)
+
+
+def uses_one_pair_tiles(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """One token's top-k experts are distinct; a few more tokens over many experts mostly so
+    (4 tokens of Qwen3's top-8 of 128: about 10% read twice, from L2 while concurrent)."""
+    return num_tokens * top_k <= max(num_experts // 4, top_k)
 
 
 def align_by_expert(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> ExpertAlignment:
-    """topk_ids [T, k] -> the pairs t * k + j sorted by expert, padded per expert to block_m."""
-    flat = topk_ids.flatten().long()
+    """topk_ids [T, k] -> the pairs t * k + j sorted by expert (stable), padded per expert to
+    block_m. Three launches (chunk counts, prefix, placement) instead of a sort and a chain of
+    small torch ops, which cost more than the GEMMs themselves at a few hundred tokens."""
+    flat = topk_ids.flatten()
     num_pairs = flat.numel()
-    max_padded = num_pairs + num_experts * (block_m - 1)
-    max_padded = triton.cdiv(max_padded, block_m) * block_m
-    # scatter_add, not bincount: bincount reads the largest id back to the host (no capture)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
-    count_start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)
-    rank = torch.arange(num_pairs, device=flat.device) - count_start[flat[order]]
-    position = padded_start[flat[order]] + rank
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, position, order.to(torch.int32))
-    tile_starts = torch.arange(0, max_padded, block_m, device=flat.device)
-    block_experts = torch.searchsorted(padded_end, tile_starts, right=True)
-    return ExpertAlignment(
+    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    block_e = max(16, next_pow2(num_experts))
+    block_p = max(16, _ONE_HOT_ELEMENTS // block_e)
+    num_chunks = triton.cdiv(num_pairs, block_p)
+    device = flat.device
+    chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    chunk_args = (flat, chunk_counts, sorted_ids, num_pairs)
+    chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8}
+    _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=False, **chunk_launch)
+    _expert_prefix_kernel[(1,)](
+        chunk_counts,
         sorted_ids,
-        block_experts.clamp_(max=num_experts - 1).to(torch.int32),
-        padded_end[-1:].to(torch.int32),
+        block_experts,
+        num_padded,
+        num_chunks,
+        num_pairs,
+        max_padded,
+        NUM_EXPERTS=num_experts,
+        BLOCK_E=block_e,
+        BLOCK_M=block_m,
+        BLOCK_C=16,
+        BLOCK_T=64,
+        num_warps=8,
     )
+    _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=True, **chunk_launch)
+    return ExpertAlignment(sorted_ids, block_experts, num_padded)
+
+
+@triton.jit
+def _expert_chunk_kernel(
+    ids_ptr,
+    chunk_counts_ptr,
+    sorted_ids_ptr,
+    num_pairs,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PLACE: tl.constexpr,
+):
+    """One chunk of pairs: without PLACE, its count per expert; with PLACE (chunk_counts now
+    holding each chunk's first row per expert), each pair's row: that base plus its rank among
+    the chunk's earlier pairs of the same expert."""
+    chunk = tl.program_id(0)
+    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    experts = tl.arange(0, BLOCK_E)
+    expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=BLOCK_E).to(tl.int32)
+    one_hot = (expert[:, None] == experts[None, :]).to(tl.int32)
+    row = chunk_counts_ptr + chunk * BLOCK_E + experts
+    if PLACE:
+        rank = tl.sum(tl.where(one_hot > 0, tl.cumsum(one_hot, 0) - 1, 0), 1)
+        base = tl.sum(one_hot * tl.load(row)[None, :], 1)
+        tl.store(sorted_ids_ptr + base + rank, pairs, mask=pairs < num_pairs)
+    else:
+        tl.store(row, tl.sum(one_hot, 0))
+
+
+@triton.jit
+def _expert_prefix_kernel(
+    chunk_counts_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_chunks,
+    num_pairs,
+    max_padded,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Each expert's padded run, each row tile's expert, the padding sentinel, and the chunk
+    counts turned in place into each chunk's first row per expert."""
+    experts = tl.arange(0, BLOCK_E)
+    chunks = tl.arange(0, BLOCK_C)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
+        counts += tl.sum(tl.load(rows, mask=(c0 + chunks < num_chunks)[:, None], other=0), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    base = padded_end - padded
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for c0 in range(0, num_chunks, BLOCK_C):
+        rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
+        mask = (c0 + chunks < num_chunks)[:, None]
+        block = tl.load(rows, mask=mask, other=0)
+        tl.store(rows, base[None, :] + tl.cumsum(block, 0) - block, mask=mask)
+        base += tl.sum(block, 0)
+    tiles = tl.arange(0, BLOCK_T)
+    for t0 in range(0, max_padded // BLOCK_M, BLOCK_T):
+        start = (t0 + tiles) * BLOCK_M
+        expert = tl.sum((padded_end[None, :] <= start[:, None]).to(tl.int32), 1)
+        tile_mask = start < max_padded
+        tl.store(block_experts_ptr + t0 + tiles, tl.minimum(expert, NUM_EXPERTS - 1), tile_mask)
+    for r0 in range(0, max_padded, BLOCK_T * BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
+        tl.store(sorted_ids_ptr + rows, num_pairs, mask=rows < max_padded)
 
 
 @triton.jit
@@ -87,6 +191,7 @@ def _grouped_gemm_kernel(
     stride_wk,
     stride_om,
     ROWS_PER_A: tl.constexpr,
+    ONE_PAIR_TILES: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -106,11 +211,15 @@ def _grouped_gemm_kernel(
     group_size = min(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
     pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
-    row_mask = pair < num_pairs
+    if ONE_PAIR_TILES:
+        pair = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int64)
+        row_mask = tl.arange(0, BLOCK_M) == 0
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
+        row_mask = pair < num_pairs
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -133,7 +242,8 @@ def _grouped_gemm_kernel(
     if SILU_AND_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)[:, None]
+        routed = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * routed[:, None]
     out = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
@@ -149,6 +259,7 @@ def _grouped_gemm(
     config: MoeTileConfig,
 ) -> None:
     num_pairs = out.shape[0]
+    silu_and_mul = w.shape[1] == 2 * n
     grid = (alignment.block_experts.numel() * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](
         a,
@@ -167,16 +278,35 @@ def _grouped_gemm(
         w.stride(2),
         out.stride(0),
         ROWS_PER_A=rows_per_a,
-        SILU_AND_MUL=w.shape[1] == 2 * n,
+        ONE_PAIR_TILES=alignment.one_pair_tiles,
+        SILU_AND_MUL=silu_and_mul,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
-        BLOCK_M=config.block_m,
+        BLOCK_M=16 if alignment.one_pair_tiles else config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         PRECISION=dot_precision(a.dtype),
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=_stages_that_fit(config, a.element_size(), silu_and_mul, a.device),
     )
+
+
+def _stages_that_fit(
+    config: MoeTileConfig, element_size: int, silu_and_mul: bool, device: torch.device
+) -> int:
+    """config.num_stages, fewer where the tiles' pipeline would overflow shared memory (fp32
+    inputs take twice bf16's bytes; a table tuned in bf16 can ask for 4 stages of 128 x 64)."""
+    if device.type != "cuda":
+        return config.num_stages
+    weight_tiles = 2 if silu_and_mul else 1
+    stage = (config.block_m + weight_tiles * config.block_n) * config.block_k * element_size
+    room = _shared_memory(device.index or 0) - _EPILOGUE_SHARED_BYTES
+    return max(1, min(config.num_stages, room // stage))
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_memory(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
 def fused_experts(
@@ -193,42 +323,61 @@ def fused_experts(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inner = two_i // 2
-    config = config or tile_config(num_experts, inner, hidden, num_tokens, x.device)
+    config = config or tile_config(num_experts, inner, hidden, num_tokens, x.device, top_k)
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out.sum(1)
-    alignment = align_by_expert(topk_ids, config.block_m, num_experts)
+    if uses_one_pair_tiles(num_tokens, top_k, num_experts):
+        alignment = pairs_as_tiles(topk_ids)
+    else:
+        alignment = align_by_expert(topk_ids, config.block_m, num_experts)
     activated = torch.empty(num_tokens * top_k, inner, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, activated, alignment, None, top_k, inner, config)
-    weights = topk_weights.to(torch.float32).flatten().contiguous()
+    weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
     _grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, config)
     return out.sum(1)
 
 
 def tile_config(
-    num_experts: int, inner: int, hidden: int, num_tokens: int, device: torch.device
+    num_experts: int,
+    inner: int,
+    hidden: int,
+    num_tokens: int,
+    device: torch.device,
+    top_k: int = 1,
 ) -> MoeTileConfig:
-    """The committed config for this shape on this device at the nearest batch size measured,
-    else a default by batch size."""
+    """The committed config for this shape on this device at the batch size measured nearest
+    in ratio (the sweep's sizes are powers of two and more), else a default by batch size."""
     table = _config_table(num_experts, inner, hidden, _device_name(device))
     if table:
-        nearest = min(table, key=lambda m: abs(m - num_tokens))
+        nearest = min(table, key=lambda m: abs(math.log(m / max(num_tokens, 1))))
         return table[nearest]
-    return default_tile_config(num_tokens)
+    return default_tile_config(num_tokens, num_tokens * top_k / num_experts)
 
 
-def default_tile_config(num_tokens: int) -> MoeTileConfig:
+def default_tile_config(num_tokens: int, rows_per_expert: float | None = None) -> MoeTileConfig:
+    """Decode: 16- then 32-row tiles (>= 70% of the copy bandwidth from 2 tokens on Mixtral's
+    shape on the H200). Prefill: row tiles about the size of each expert's run (rows_per_expert,
+    default num_tokens), so padding stays under about a third; from 64 rows the Hopper-sized
+    tiles of the published configs (64-128 x 128 per accumulator, gate and up being two, K 64,
+    4 stages where the shared memory allows)."""
+    rows = num_tokens if rows_per_expert is None else rows_per_expert
     if num_tokens <= 32:
         return MoeTileConfig(16, 64, 64, 1, 4, 3)
-    if num_tokens <= 512:
+    if num_tokens <= 128:
         return MoeTileConfig(32, 64, 64, 8, 4, 3)
-    return MoeTileConfig(64, 128, 64, 8, 8, 3)
+    if rows < 48:
+        return MoeTileConfig(32, 128, 64, 8, 4, 4)
+    if rows < 192:
+        return MoeTileConfig(64, 128, 64, 8, 4, 4)
+    return MoeTileConfig(128, 128, 64, 16, 8, 3)
 
 
 def config_file_name(num_experts: int, inner: int, hidden: int, device_name: str) -> str:
     return f"E={num_experts},N={inner},K={hidden},device={device_name}.json"
 
 
+@functools.lru_cache(maxsize=8)
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"

@@ -12,10 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, next_pow2, num_sms
+from kernels._common import dot_precision, next_pow2, num_sms, uses_pdl
+from kernels.decode_attention import _decode_reduce_kernel
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 16
+MAX_SPLITS = 32
+# a split reads at least this many tokens: fewer and its fp32 partial output (4 bytes x heads x
+# rank) outweighs the bf16 latents it read (2 x (rank + rope) per token)
+MIN_TOKENS_PER_SPLIT = 128
 
 
 @triton.jit
@@ -51,6 +55,7 @@ def _mla_decode_kernel(
     block_tables_ptr,
     request_ptr,
     length_ptr,
+    out_ptr,
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -66,9 +71,11 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Unnormalised output, running max (log2 units) and sum of BLOCK_H heads over one split."""
+    """BLOCK_H heads over one split: with SPLIT, the unnormalised output, running max (log2
+    units) and sum, for the merge; else (one split) the output itself [T, H, RANK]."""
     row = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,18 +123,31 @@ def _mla_decode_kernel(
         total = total * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
         m = m_new
-    part = (row * num_splits + split) * NUM_HEADS + heads
-    tl.store(part_max_ptr + part, m, mask=head_mask)
-    tl.store(part_sum_ptr + part, total, mask=head_mask)
-    out = part_out_ptr + part[:, None] * RANK + lat[None, :]
-    tl.store(out, acc, mask=head_mask[:, None] & (lat < RANK)[None, :])
+    out_mask = head_mask[:, None] & (lat < RANK)[None, :]
+    if SPLIT:
+        part = (row * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_max_ptr + part, m, mask=head_mask)
+        tl.store(part_sum_ptr + part, total, mask=head_mask)
+        tl.store(part_out_ptr + part[:, None] * RANK + lat[None, :], acc, mask=out_mask)
+    else:
+        acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out = out_ptr + (row * NUM_HEADS + heads)[:, None] * RANK + lat[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def choose_mla_splits(num_rows: int, num_head_blocks: int, device: torch.device) -> int:
-    """Enough splits of each context to give every SM two programs; from shapes alone, so a
-    CUDA graph keeps its choice."""
+def choose_mla_splits(
+    num_rows: int, num_head_blocks: int, max_length: int, device: torch.device
+) -> int:
+    """Enough splits of each context to give every SM four programs (flash-decoding: a batch
+    of one would otherwise run on one SM per head block), at most MAX_SPLITS, none shorter than
+    MIN_TOKENS_PER_SPLIT of the block table's capacity; from shapes alone, so a CUDA graph
+    keeps its choice."""
     programs = max(num_rows * num_head_blocks, 1)
-    return max(1, min(MAX_SPLITS, 2 * num_sms(device) // programs))
+    if programs >= num_sms(device):  # a wave already: splitting would only add the merge
+        return 1
+    by_occupancy = triton.cdiv(4 * num_sms(device), programs)
+    by_length = triton.cdiv(max_length, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
 
 def paged_mla_decode(
@@ -144,48 +164,70 @@ def paged_mla_decode(
     request[t]'s blocks -> [T, H, rank] (zeros where length is 0)."""
     num_rows, num_heads, width = query.shape
     rope = width - kv_lora_rank
+    block_size = kv_cache.shape[2]
     block_h = max(16, min(next_pow2(num_heads), 64))
     head_blocks = triton.cdiv(num_heads, block_h)
-    splits = num_splits or choose_mla_splits(num_rows, head_blocks, query.device)
-    shape = (num_rows, splits, num_heads)
-    part_out = torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=query.device)
-    part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
-    part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
-    if num_rows:
-        _mla_decode_kernel[(num_rows, head_blocks, splits)](
-            query,
-            kv_cache,
-            block_tables,
-            request,
-            length,
-            part_out,
-            part_max,
-            part_sum,
-            scale * _LOG2E,
-            query.stride(0),
-            query.stride(1),
-            block_tables.stride(0),
-            NUM_HEADS=num_heads,
-            RANK=kv_lora_rank,
-            ROPE=rope,
-            BLOCK_H=block_h,
-            BLOCK_L=next_pow2(kv_lora_rank),
-            BLOCK_R=max(16, next_pow2(rope)),
-            BLOCK_SIZE=kv_cache.shape[2],
-            TILE_N=16 if query.dtype == torch.float32 else 32,
-            PRECISION=dot_precision(query.dtype),
-            num_warps=4 if kv_lora_rank <= 256 else 8,
-            num_stages=2,
-        )
-    return _merge_splits(part_out, part_max, part_sum).to(query.dtype)
-
-
-def _merge_splits(
-    part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor
-) -> torch.Tensor:
-    """Softmax-weighted sum of the splits' partial outputs [T, S, H, rank] -> [T, H, rank]."""
-    top = part_max.amax(1, keepdim=True)
-    weight = torch.where(part_sum > 0, torch.exp2(part_max - top), torch.zeros_like(part_sum))
-    numerator = (weight[..., None] * part_out).sum(1)
-    denominator = (weight * part_sum).sum(1)
-    return numerator / torch.where(denominator > 0, denominator, 1.0)[..., None]
+    capacity = block_tables.shape[1] * block_size
+    splits = num_splits or choose_mla_splits(num_rows, head_blocks, capacity, query.device)
+    out = torch.empty(num_rows, num_heads, kv_lora_rank, dtype=query.dtype, device=query.device)
+    if not num_rows:
+        return out
+    split = splits > 1
+    if split:
+        shape = (num_rows, num_heads, splits)
+        part_out = torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=query.device)
+        part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_max = part_sum = out
+    fp32 = query.dtype == torch.float32
+    _mla_decode_kernel[(num_rows, head_blocks, splits)](
+        query,
+        kv_cache,
+        block_tables,
+        request,
+        length,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        RANK=kv_lora_rank,
+        ROPE=rope,
+        BLOCK_H=block_h,
+        BLOCK_L=next_pow2(kv_lora_rank),
+        BLOCK_R=max(16, next_pow2(rope)),
+        BLOCK_SIZE=block_size,
+        TILE_N=16 if fp32 else 32,
+        SPLIT=split,
+        PRECISION=dot_precision(query.dtype),
+        num_warps=4 if kv_lora_rank <= 256 else 8,
+        # three 32-token latent tiles in flight: ~110 KB of shared memory at rank 512
+        num_stages=3,
+    )
+    if not split:
+        return out
+    pdl = uses_pdl(query.device)
+    # one launch merges the splits (the torch merge was a dozen kernels: most of the time at
+    # small batch)
+    _decode_reduce_kernel[(num_rows, num_heads)](
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        splits,
+        num_heads,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=kv_lora_rank,
+        BLOCK_D=next_pow2(kv_lora_rank),
+        BLOCK_S=next_pow2(splits),
+        USE_PDL=pdl,
+        num_warps=8,  # a [splits, rank 512] fp32 tile: 64 registers a thread at 32 splits
+        launch_pdl=pdl,
+    )
+    return out

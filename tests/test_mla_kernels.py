@@ -11,7 +11,7 @@ from test_model_vs_hf import metadata
 
 import kernels
 from asyncllm.attention.mla import attend_latent_torch, row_contexts, write_latent_cache
-from kernels.mla_decode import paged_mla_decode
+from kernels.mla_decode import choose_mla_splits, paged_mla_decode
 
 FULL = torch.cuda.is_available()
 DEVICE = "cuda" if FULL else "cpu"
@@ -34,7 +34,8 @@ def latent_cache(dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+# None: the split count chosen from the shapes; 64: more splits than the contexts have tiles
+@pytest.mark.parametrize("num_splits", [1, 3, 64, None])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mla_decode_matches_torch(dtype: torch.dtype, num_splits: int) -> None:
     heads, rank, rope = DIMS
@@ -70,3 +71,11 @@ def test_row_contexts_are_causal_per_request() -> None:
     request, length = row_contexts(meta, 6)  # two padding rows past the 4 real ones
     assert request.tolist()[:4] == [0, 0, 0, 1]
     assert length.tolist() == [5, 6, 7, 10, 0, 0]
+
+
+def test_splits_fill_the_gpu_at_small_batch_and_keep_long_splits() -> None:
+    cpu = torch.device("cpu")  # 8 "SMs" here
+    assert choose_mla_splits(1, 1, 4096, cpu) == 32  # four programs per SM
+    assert choose_mla_splits(1, 1, 256, cpu) == 2  # no split under 128 tokens
+    assert choose_mla_splits(4, 1, 4096, cpu) == 8
+    assert choose_mla_splits(8, 1, 4096, cpu) == 1  # a program per SM already

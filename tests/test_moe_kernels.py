@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from asyncllm.layers.fused_moe.torch_experts import torch_experts
-from kernels.fused_moe import MoeTileConfig, align_by_expert, default_tile_config, fused_experts
+from kernels.fused_moe import (
+    MoeTileConfig,
+    align_by_expert,
+    default_tile_config,
+    fused_experts,
+    uses_one_pair_tiles,
+)
 
 FULL = torch.cuda.is_available()
 DEVICE = "cuda" if FULL else "cpu"
@@ -99,3 +105,59 @@ def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatc
         assert fused_moe.tile_config(8, 1024, 4096, 3, cpu) == default_tile_config(3)
     finally:
         fused_moe._config_table.cache_clear()
+
+
+@pytest.mark.parametrize("num_experts,num_tokens", [(5, 700), (200, 600)])
+def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens) -> None:
+    # 1,400 pairs of 5 experts: two 1,024-pair chunks; of 200 experts: 19 chunks of 64, past
+    # the prefix kernel's 16-chunk step; experts left idle either way
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, num_experts - 2, (num_tokens, 2), generator=gen, dtype=torch.int32)
+    aligned = align_by_expert(ids.to(DEVICE), block_m=16, num_experts=num_experts)
+    flat, expected, experts = ids.flatten(), [], []
+    for e in range(num_experts):
+        run = (flat == e).nonzero().flatten().tolist()
+        run += [flat.numel()] * (-len(run) % 16)
+        expected += run
+        experts += [e] * (len(run) // 16)
+    assert int(aligned.num_padded) == len(expected)
+    assert aligned.sorted_pair_ids.tolist()[: len(expected)] == expected
+    assert set(aligned.sorted_pair_ids.tolist()[len(expected) :]) <= {flat.numel()}
+    assert aligned.block_experts.tolist()[: len(experts)] == experts
+
+
+def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
+    # 512 tokens, top-8 of 128 experts: 32 rows each; of 8 experts, top-2: 128; 8,192 of 8: 2,048
+    assert default_tile_config(512, 32.0).block_m == 32
+    assert default_tile_config(512, 128.0).block_m == 64
+    assert default_tile_config(8192, 2048.0).block_m == 128
+    assert default_tile_config(8).block_m == 16
+
+
+@pytest.mark.parametrize("name", ["three_tokens_some_experts_idle", "odd_batch_random"])
+def test_one_pair_tiles_match_torch_when_pairs_share_experts(name, monkeypatch) -> None:
+    import kernels.fused_moe as fused_moe
+
+    monkeypatch.setattr(fused_moe, "uses_one_pair_tiles", lambda *_: True)
+    topk_weights, topk_ids = routing(ROUTINGS[name])
+    w13, w2 = weights(torch.float32)
+    x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, default_tile_config(1))
+    ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
+    assert relative_error(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_one_pair_tiles_only_where_pairs_rarely_share_experts() -> None:
+    assert uses_one_pair_tiles(1, 8, 128) and uses_one_pair_tiles(4, 8, 128)
+    assert not uses_one_pair_tiles(8, 8, 128)
+    assert uses_one_pair_tiles(1, 2, 8) and not uses_one_pair_tiles(2, 2, 8)
+
+
+def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
+    import kernels.fused_moe as fused_moe
+
+    monkeypatch.setattr(fused_moe, "_shared_memory", lambda index: 232448)  # the H100/H200's
+    cuda, tiles = torch.device("cuda", 0), MoeTileConfig(128, 128, 64, 16, 8, 4)
+    assert fused_moe._stages_that_fit(tiles, 2, True, cuda) == 4  # bf16: 48 KB a stage
+    assert fused_moe._stages_that_fit(tiles, 4, True, cuda) == 2  # fp32 gate and up: 96 KB
+    assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
