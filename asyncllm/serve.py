@@ -63,6 +63,12 @@ ENGINE_FLAG_HELP = {
     "(the model's generation_config.json), vllm (none: SamplingParams' own) or a path",
     "override_generation_config": "JSON laid over those defaults, e.g. "
     '\'{"temperature": 0, "max_new_tokens": 64}\'',
+    "tensor_parallel_size": "ranks the model is split across, one worker process or Ray actor each",
+    "distributed_executor_backend": "mp (worker processes on this machine) or ray (actors on the "
+    "machines of a Ray cluster: pip install asyncllm[ray])",
+    "speculative_config": "speculative decoding as JSON with vLLM's keys, e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+    "(method ngram or draft_model, with model)",
     "profiler_dir": "a folder for the engine core's torch profiler traces, which turns on POST "
     "/start_profile and /stop_profile (None: $ASYNCLLM_TORCH_PROFILER_DIR, else off)",
 }
