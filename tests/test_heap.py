@@ -82,8 +82,14 @@ class FakePipe:
         self.sent.append(type(message).__name__)
 
 
+class FakeExecutor:
+    def register_failure_callback(self, callback) -> None:
+        pass
+
+
 class FakeCore:
     capacity = KVCapacity(num_blocks=8, block_size=16)
+    executor = FakeExecutor()
 
     def __init__(self, config) -> None:
         pass

@@ -1,6 +1,7 @@
 """Every shell and Python example of the README, run as a reader would run it, against one real
 server on the default model; where an example asks for the capital of France, Paris must come
-back. Only the setup commands and the load test are not run (NOT_RUN says why)."""
+back. Only the setup commands, the load tests and the multi-machine setup are not run (NOT_RUN
+says why)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ NOT_RUN = {
     "make serve": "the setup itself: it installs a venv; this test runs what it serves",
     "asyncllm bench serve": "a load test of minutes on 2 cores; tests/test_bench_serving.py "
     "runs bench/serving.py",
+    "# on the first machine": "a Ray cluster over several machines; "
+    "tests/test_tensor_parallel_ray.py runs one of two nodes on this machine",
+    "python bench/soak.py --minutes 30": "a 30-minute soak; tests/test_reliability_soak.py "
+    "runs it for 24 s",
 }
 
 

@@ -103,7 +103,7 @@ class _Worker:
         if self.conn in ready:
             try:
                 return self.conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # a killed peer's socket may also reset
                 pass
         self.process.join(_JOIN_TIMEOUT_S)
         return _Failed(f"the process exited with code {self.process.exitcode}")

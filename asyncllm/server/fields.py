@@ -111,6 +111,9 @@ class Field:
             schema["additionalProperties"] = {"type": self.items, **self._range_schema()}
         elif json_type == "object" and self.members:
             schema["properties"] = {m.name: m.json_schema() for m in self.members}
+            required = [m.name for m in self.members if m.required]
+            if required:
+                schema["required"] = required
         return schema
 
     def _range_schema(self) -> Schema:
