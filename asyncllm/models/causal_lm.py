@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.kv_cache_spec import KVCacheSpec
@@ -83,3 +84,19 @@ class CausalLM(Protocol):
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """Per layer, what its KV cache holds per token."""
         ...
+
+
+class PiecewiseDecoderLayer(nn.Module):
+    """A decoder layer whose forward pass is its three pieces in order (DecoderLayerPieces):
+    eager runs and graph captures go through the same code."""
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        query, residual = self.before_attention(positions, x, residual, kv_cache, meta)
+        return self.after_attention(self.attend(query, kv_cache, meta), residual)

@@ -18,9 +18,9 @@ from asyncllm.layers.fused_moe import RoutingConfig
 from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear, read_all
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, yarn_mscale
-from asyncllm.models.causal_lm import PieceShapes
+from asyncllm.models.causal_lm import PieceShapes, PiecewiseDecoderLayer
 from asyncllm.models.llama import MLP, LlamaForCausalLM, _rope_parameters, _rope_scaling
-from asyncllm.models.mixtral import SparseMoeBlock, load_expert_weights
+from asyncllm.models.mixtral import SparseMoeBlock, load_expert_weights, mlp_after_attention
 
 _LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm keep the default eps
 
@@ -117,7 +117,7 @@ def mla_dims(config: PretrainedConfig) -> MLADims:
     )
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PiecewiseDecoderLayer):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -130,17 +130,6 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.mlp = _mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        query, residual = self.before_attention(positions, x, residual, kv_cache, meta)
-        return self.after_attention(self.attend(query, kv_cache, meta), residual)
 
     # the pieces of models.causal_lm.DecoderLayerPieces
     def before_attention(
@@ -167,12 +156,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         attn = self.self_attn
         return attn.attn.attend(query, kv_cache, meta, attn.kv_b_proj.weight, out)
 
-    def after_attention(
-        self, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.self_attn.o_proj(attn_out.flatten(1))
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    after_attention = mlp_after_attention
 
 
 def _mlp(config: PretrainedConfig, index: int) -> nn.Module:

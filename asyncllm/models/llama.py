@@ -23,7 +23,7 @@ from asyncllm.layers.linear import (
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncllm.models.causal_lm import PieceShapes
+from asyncllm.models.causal_lm import PieceShapes, PiecewiseDecoderLayer
 
 # checkpoint name piece -> (fused parameter, shard id)
 _STACKED = {
@@ -133,7 +133,7 @@ class MLP(nn.Module):
         return self.down(self.gate_up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PiecewiseDecoderLayer):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -150,17 +150,6 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        query, residual = self.before_attention(positions, x, residual, kv_cache, meta)
-        return self.after_attention(self.attend(query, kv_cache, meta), residual)
 
     # the pieces of models.causal_lm.DecoderLayerPieces
     def before_attention(

@@ -47,14 +47,18 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def mlp_after_attention(
+    layer: nn.Module, attn_out: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's after_attention piece when its mlp is a module of its own (an MoE block, or
+    DeepSeek's dense MLP): o_proj, the post-attention norm, then the mlp; (output, residual)."""
+    x = layer.self_attn.o_proj(attn_out.flatten(1))
+    x, residual = layer.post_attention_layernorm(x, residual)
+    return layer.mlp(x), residual
+
+
 class MoeDecoderLayer(DecoderLayer):
-    def after_attention(
-        self, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MoE output, residual)"""
-        x = self.self_attn.o_proj(attn_out.flatten(1))
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    after_attention = mlp_after_attention
 
 
 def load_expert_weights(
