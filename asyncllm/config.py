@@ -43,6 +43,9 @@ class EngineArgs:
     engine_process: bool | None = None
     seed: int = 0
     max_logprobs: int = 20
+    # fp8 quantizes a 16-bit checkpoint's weights at load; a quantized checkpoint's own
+    # quantization_config needs no flag (given, it must agree)
+    quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_args(self)
@@ -86,6 +89,7 @@ class ModelConfig:
     enforce_eager: bool
     seed: int
     max_logprobs: int
+    quantization: str | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:
@@ -111,6 +115,7 @@ class ModelConfig:
             enforce_eager=args.enforce_eager,
             seed=args.seed,
             max_logprobs=args.max_logprobs,
+            quantization=args.quantization,
         )
 
 

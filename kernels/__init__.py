@@ -7,7 +7,9 @@ importable as `kernels` and treats one without a version in its supported range 
 from kernels.activation import silu_and_mul
 from kernels.cache import reshape_and_cache
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.fp8_gemm import fp8_block_gemm
 from kernels.gemv import gemv, rms_norm_gemv, silu_and_mul_gemv
+from kernels.int4_gemm import int4_gemm
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.qkv_prep import norm_rope_and_cache
@@ -16,8 +18,10 @@ from kernels.sampling import prepare_logits, row_logprobs, sample_masked
 
 __all__ = [
     "choose_num_splits",
+    "fp8_block_gemm",
     "fused_add_rms_norm",
     "gemv",
+    "int4_gemm",
     "norm_rope_and_cache",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -20,6 +20,9 @@ from torch import nn
 import kernels
 from asyncllm.layers.activation import silu_and_mul
 from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.quantization import QuantizationConfig
+from asyncllm.layers.quantization.base import UnquantizedLinearMethod
+from asyncllm.layers.quantization.parameter import weight_param
 
 # rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
 _ROWS_HINT = 32
@@ -47,12 +50,78 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class QuantizedLinear(nn.Module):
+    """One rank's linear layer run by a quantization method (the linear contract), its output
+    made of merged shards (q/k/v or gate/up) that the checkpoint holds apart."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.prefix, self.output_sizes = prefix, list(output_sizes)
+        self.quant_method = (
+            quant_config.get_quant_method(self, prefix)
+            if quant_config is not None
+            else UnquantizedLinearMethod()
+        )
+        output_size = sum(output_sizes)
+        self.quant_method.create_weights(
+            self, input_size, self.output_sizes, input_size, output_size, params_dtype
+        )
+        self.bias = None
+        if bias:
+            self.bias = weight_param(torch.empty(output_size, dtype=params_dtype), 0, None)
+        self._loaded: set[tuple[str, int]] = set()
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        """Copy a checkpoint tensor (one shard of a merged layer when shard_id is set) into
+        param, refusing a tensor of the wrong shape with a message naming both."""
+        index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id) if shard_id is not None else 0
+        name = next(n for n, p in self.named_parameters() if p is param)
+        target = param.data
+        if getattr(param, "shard_indexed", False):
+            target = target[index]
+            loaded = loaded.reshape(target.shape) if loaded.numel() == target.numel() else loaded
+        elif shard_id is not None and param.output_dim is not None:
+            dim, total = param.output_dim, sum(self.output_sizes)
+            start = sum(self.output_sizes[:index]) * target.shape[dim] // total
+            target = target.narrow(
+                dim, start, self.output_sizes[index] * target.shape[dim] // total
+            )
+        if loaded.shape != target.shape:
+            raise ValueError(
+                f"{self.prefix}.{name}: the checkpoint's tensor has shape {tuple(loaded.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+        self._loaded.add((name, index))
+
+    def unloaded(self) -> list[str]:
+        """The checkpoint tensors (of which merged shard) that no weight_loader call filled."""
+        names = [n for n, _ in self.named_parameters()]
+        shards = range(len(self.output_sizes))
+        return [
+            f"{self.prefix}.{n}[{i}]" for n in names for i in shards if (n, i) not in self._loaded
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
 def rms_norm_linear(
     norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), the residual taken as 0 when None; one
     kernel for a single short CUDA row."""
-    if single_cuda_row(x) and x.shape[1] <= FUSED_MAX_ROW:
+    if isinstance(linear, Linear) and single_cuda_row(x) and x.shape[1] <= FUSED_MAX_ROW:
         return kernels.rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
         return linear(norm(x)), x
@@ -62,7 +131,7 @@ def rms_norm_linear(
 
 def silu_and_mul_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) * up) for x = [gate | up]; one kernel for a single short CUDA row."""
-    if single_cuda_row(x) and x.shape[1] // 2 <= FUSED_MAX_ROW:
+    if isinstance(linear, Linear) and single_cuda_row(x) and x.shape[1] // 2 <= FUSED_MAX_ROW:
         return kernels.silu_and_mul_gemv(x, linear.weight, linear.bias)
     return linear(silu_and_mul(x))
 

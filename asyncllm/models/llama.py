@@ -9,8 +9,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
-from asyncllm.layers.linear import Linear, rms_norm_linear, silu_and_mul_linear
+from asyncllm.layers.linear import Linear, QuantizedLinear, rms_norm_linear, silu_and_mul_linear
 from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.quantization import QuantizationConfig
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.models.causal_lm import PieceShapes
 
@@ -24,8 +25,30 @@ _STACKED = {
 }
 
 
+def _linear(
+    input_size: int,
+    output_sizes: list[int],
+    bias: bool,
+    quant_config: QuantizationConfig | None,
+    prefix: str,
+) -> nn.Module:
+    """A plain Linear (with its fused CUDA GEMVs) unless the model is quantized."""
+    if quant_config is None:
+        return Linear(input_size, sum(output_sizes), bias=bias)
+    return QuantizedLinear(
+        input_size, output_sizes, bias, quant_config, prefix, torch.get_default_dtype()
+    )
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        qk_norm: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -34,8 +57,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = _linear(
+            config.hidden_size, self.shard_sizes(), bias, quant_config, f"{prefix}.qkv_proj"
+        )
+        self.o_proj = _linear(
+            self.q_size, [config.hidden_size], False, quant_config, f"{prefix}.o_proj"
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(
@@ -73,11 +100,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = _linear(
+            hidden_size, self.shard_sizes(), False, quant_config, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = _linear(
+            intermediate_size, [hidden_size], False, quant_config, f"{prefix}.down_proj"
+        )
 
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
@@ -87,10 +124,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        qk_norm: bool,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, qk_norm)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = Attention(config, backend, qk_norm, quant_config, f"{prefix}.self_attn")
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -140,13 +184,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         qk_norm = config.model_type == "qwen3"
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, qk_norm, quant_config, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -187,7 +237,11 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _fused_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            _copy_shard(self, params[target], target, shard, tensor)
+            owner = self.get_submodule(target.rpartition(".")[0])
+            if isinstance(owner, QuantizedLinear):
+                owner.weight_loader(params[target], tensor, _shard_id(target, shard))
+            else:
+                _copy_shard(self, params[target], target, shard, tensor)
             loaded.add(target)
         return loaded
 
@@ -201,6 +255,11 @@ class LlamaForCausalLM(nn.Module):
     def layer_geometry(self) -> tuple[int, int, int]:
         attn = self.layers[0].self_attn
         return len(self.layers), attn.num_kv_heads, attn.head_dim
+
+
+def _shard_id(target: str, shard: int | None) -> str | int | None:
+    """The linear contract's shard id: 'q' | 'k' | 'v' for qkv_proj, 0 | 1 for gate_up_proj."""
+    return "qkv"[shard] if shard is not None and ".qkv_proj." in target else shard
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -12,25 +12,68 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import ModelConfig
-from asyncllm.layers.linear import pack_linear_layers
+from asyncllm.layers.linear import QuantizedLinear, pack_linear_layers
+from asyncllm.layers.quantization import QuantizationConfig, get_quantization_config
 from asyncllm.models.registry import get_model_class
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     model_class = get_model_class(config.hf_config)
-    with torch.device(config.device), _skip_random_init():
-        model = model_class(config.hf_config, backend)
+    quant_config = quantization_of(config)
+    # a quantized model's layers create their 16-bit parameters in the model's dtype
+    dtype = _default_dtype(config.dtype) if quant_config else contextlib.nullcontext()
+    with torch.device(config.device), _skip_random_init(), dtype:
+        model = model_class(config.hf_config, backend, quant_config)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         loaded = model.load_weights(iter_safetensors(config.path))
         missing = {name for name, _ in model.named_parameters()} - loaded
+        missing |= {
+            n for m in model.modules() if isinstance(m, QuantizedLinear) for n in m.unloaded()
+        }
         if missing:
             raise ValueError(f"model: the checkpoint lacks {', '.join(sorted(missing)[:5])}")
-    model = model.to(config.dtype).eval()
+    if quant_config is None:
+        model = model.to(config.dtype)
+    else:
+        _process_quantized_layers(model, config.dtype)
+    model.eval()
     if config.device.type == "cpu" and config.dtype == torch.float32:
         pack_linear_layers(model)
     return model
+
+
+def quantization_of(config: ModelConfig) -> QuantizationConfig | None:
+    checkpoint = getattr(config.hf_config, "quantization_config", None)
+    if checkpoint is not None and not isinstance(checkpoint, dict):
+        checkpoint = checkpoint.to_dict()
+    return get_quantization_config(checkpoint, config.quantization)
+
+
+def _process_quantized_layers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Quantized layers' parameters were created in their own dtypes (FP8, int32, fp32
+    scales) and are repacked by their method; the other modules get the model's dtype."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.quant_method.process_weights_after_loading(module)
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.dtype in _FLOAT_DTYPES:
+                tensor.data = tensor.data.to(dtype)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 @contextlib.contextmanager
@@ -58,9 +101,20 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Small random values: enough for speed benchmarks, with sane activations."""
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        generator = torch.Generator(device=param.device).manual_seed(seed)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-            continue
-        generator = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, 0.02, generator=generator)
+        elif name.endswith("g_idx"):  # input row k in group k // group_size
+            groups = params[name.removesuffix("g_idx") + "scales"].shape[0]
+            param.copy_(torch.arange(param.numel(), device=param.device) * groups // param.numel())
+        elif not param.is_floating_point():  # packed 4-bit values
+            param.random_(0, 2**31 - 1, generator=generator)
+        elif "scale" in name.rpartition(".")[2]:
+            param.uniform_(0.5e-3, 1.5e-3, generator=generator)
+        else:
+            noise = torch.empty(param.shape, device=param.device).normal_(
+                0.0, 0.02, generator=generator
+            )
+            param.copy_(noise)
