@@ -67,6 +67,7 @@ def fp8_block_gemm(
 ) -> torch.Tensor:
     """xq [M, K], x_scale [M, ceil(K / block_k)], wq [N, K], w_scale [ceil(N / block_n),
     ceil(K / block_k)]; block_k a power of two of at least 16."""
+    xq, wq = xq.contiguous(), wq.contiguous()
     (m, k), n = xq.shape, wq.shape[0]
     block_n, block_k = block
     if block_k < 16 or block_k & (block_k - 1):

@@ -120,9 +120,10 @@ def _fp8_scheme(
     dynamic = field(activations, "dynamic", bool)
     allowed = ("token", "group") if dynamic else ("tensor",)
     choice(activations, "strategy", allowed)
-    if block is not None and not dynamic:
+    if block is not None and (not dynamic or activations.get("group_size") != block[1]):
         raise ValueError(
-            f"quantization_config.{where}.input_activations must be dynamic with block weights"
+            f"quantization_config.{where}.input_activations must be dynamic, in groups of the "
+            f"weight block's {block[1]} input features, with block weights"
         )
     return Fp8Scheme(
         weight_strategy=strategy, block=tuple(block) if block else None, dynamic_activations=dynamic

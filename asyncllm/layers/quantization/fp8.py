@@ -208,7 +208,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     rows, k = x.shape
     padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(rows, -1, group)
     xq, scale = quantize_per_row(padded)
-    return xq.view(rows, -1)[:, :k], scale.view(rows, -1)
+    return xq.view(rows, -1)[:, :k].contiguous(), scale.view(rows, -1)
 
 
 def scaled_matmul_reference(
