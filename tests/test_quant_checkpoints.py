@@ -100,10 +100,10 @@ def load_ours(path: Path, quantization: str | None = None) -> torch.nn.Module:
 @torch.inference_mode()
 def our_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     num_layers, num_kv_heads, head_dim = model.layer_geometry
-    caches = [torch.zeros(2, 16, 4, num_kv_heads, head_dim) for _ in range(num_layers)]
-    hidden = model(
-        ids, torch.arange(len(ids)), caches, metadata([(0, len(ids))], [list(range(16))])
-    )
+    blocks = -(-len(ids) // 4)
+    caches = [torch.zeros(2, blocks, 4, num_kv_heads, head_dim) for _ in range(num_layers)]
+    meta = metadata([(0, len(ids))], [list(range(blocks))])
+    hidden = model(ids, torch.arange(len(ids)), caches, meta)
     return model.compute_logits(hidden)
 
 

@@ -46,10 +46,9 @@ def rtn_int4(w: torch.Tensor, group: int, symmetric: bool):
 
 def gptq_pack_rows(q: torch.Tensor) -> torch.Tensor:
     """AutoGPTQ's qweight: row i of q in bits 4 * (i % 8) of word row i // 8."""
-    out = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64)
-    for i in range(q.shape[0]):
-        out[i // 8] |= q[i].long() << (4 * (i % 8))
-    return _as_int32(out)
+    shifts = (4 * torch.arange(8)).view(1, 8, 1)
+    words = (q.long().view(q.shape[0] // 8, 8, q.shape[1]) << shifts).sum(dim=1)
+    return _as_int32(words)
 
 
 def gptq_pack_cols(q: torch.Tensor) -> torch.Tensor:
