@@ -214,3 +214,23 @@ def test_only_fp8_quantizes_at_load() -> None:
     assert get_quantization_config(None, None) is None
     with pytest.raises(ValueError, match="only 'fp8' quantizes at load"):
         get_quantization_config(None, "awq")
+
+
+@pytest.mark.parametrize("mode", ["fp8", "gptq"])
+def test_an_engine_runs_dummy_quantized_weights(mode: str, tmp_path: Path) -> None:
+    """bench/quant.py's set-up on a tiny shape: dummy weights, quantized at load or packed."""
+    from asyncllm import LLM, SamplingParams
+
+    config = tiny_llama().config.to_dict()
+    if mode == "gptq":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(
+        model=str(tmp_path),
+        load_format="dummy",
+        device="cpu",
+        quantization="fp8" if mode == "fp8" else None,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5

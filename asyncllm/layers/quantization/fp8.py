@@ -166,7 +166,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.scheme.dynamic_activations:
             xq, x_scale = quantize_per_row(x)
         else:
-            x_scale = layer.input_scale.expand(x.shape[0], 1)
+            x_scale = layer.input_scale.expand(x.shape[0], 1).contiguous()
             xq = quantize_with_scale(x, x_scale)
         if x.is_cuda and _scaled_mm_fits(x, layer.weight):
             return torch._scaled_mm(
