@@ -247,7 +247,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.layer_geometry
-        element = torch.empty((), dtype=self.config.model.dtype).element_size()
+        element = self._kv_cache_dtype().itemsize
         return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element
 
     def _num_kv_blocks(self) -> int:
@@ -270,5 +270,8 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         num_layers, num_kv_heads, head_dim = self.model.layer_geometry
         shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
-        dtype = self.config.model.dtype
+        dtype = self._kv_cache_dtype()
         return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        return self.config.cache.cache_dtype(self.config.model.dtype)
