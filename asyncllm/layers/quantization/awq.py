@@ -15,7 +15,7 @@ from asyncllm.layers.quantization.base import LinearMethodBase
 from asyncllm.layers.quantization.base_config import QuantizationConfig, choice, field
 from asyncllm.layers.quantization.int4 import (
     PACK_FACTOR,
-    apply_int4,
+    Int4LinearMethod,
     check_int4_shapes,
     set_int4_weights,
     unpack_int4,
@@ -47,7 +47,7 @@ class AWQConfig(QuantizationConfig):
         return AWQLinearMethod(self.group_size)
 
 
-class AWQLinearMethod(LinearMethodBase):
+class AWQLinearMethod(Int4LinearMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 
@@ -89,8 +89,3 @@ class AWQLinearMethod(LinearMethodBase):
         q = unpack_int4(layer.qweight.data, 1, AWQ_ORDER)
         zeros = unpack_int4(layer.qzeros.data, 1, AWQ_ORDER)
         set_int4_weights(layer, _CHECKPOINT_PARAMS, q, layer.scales.data, zeros, self.group_size)
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_int4(layer, x, bias)

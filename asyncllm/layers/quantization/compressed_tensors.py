@@ -19,7 +19,7 @@ from asyncllm.layers.quantization.base_config import QuantizationConfig, choice,
 from asyncllm.layers.quantization.fp8 import Fp8LinearMethod, Fp8Scheme
 from asyncllm.layers.quantization.int4 import (
     PACK_FACTOR,
-    apply_int4,
+    Int4LinearMethod,
     check_int4_shapes,
     set_int4_weights,
     unpack_int4,
@@ -144,7 +144,7 @@ def _int4_method(
     return PackQuantizedLinearMethod(group_size, field(weights, "symmetric", bool, True))
 
 
-class PackQuantizedLinearMethod(LinearMethodBase):
+class PackQuantizedLinearMethod(Int4LinearMethod):
     def __init__(self, group_size: int | None, symmetric: bool) -> None:
         self.group_size, self.symmetric = group_size, symmetric  # None: one group per row
 
@@ -204,8 +204,3 @@ class PackQuantizedLinearMethod(LinearMethodBase):
             if hasattr(layer, n)
         )
         set_int4_weights(layer, names, q, scales.contiguous(), zeros, layer.ct_group_size)
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_int4(layer, x, bias)

@@ -16,7 +16,7 @@ from asyncllm.layers.quantization.base import LinearMethodBase
 from asyncllm.layers.quantization.base_config import QuantizationConfig, choice, field
 from asyncllm.layers.quantization.int4 import (
     PACK_FACTOR,
-    apply_int4,
+    Int4LinearMethod,
     check_int4_shapes,
     set_int4_weights,
     unpack_int4,
@@ -57,7 +57,7 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self)
 
 
-class GPTQLinearMethod(LinearMethodBase):
+class GPTQLinearMethod(Int4LinearMethod):
     def __init__(self, config: GPTQConfig) -> None:
         self.config = config
 
@@ -109,8 +109,3 @@ class GPTQLinearMethod(LinearMethodBase):
         set_int4_weights(
             layer, _CHECKPOINT_PARAMS, q, layer.scales.data, zeros, layer.gptq_group_size, g_idx
         )
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_int4(layer, x, bias)

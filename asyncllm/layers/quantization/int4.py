@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from asyncllm.layers.quantization.base import LinearMethodBase
 
 PACK_FACTOR = 8  # 4-bit values per int32
 IN_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble i holds value i of the 8
@@ -86,22 +87,31 @@ def _act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None
     return perm
 
 
-def apply_int4(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if layer.perm is not None:
-        rows = rows[:, layer.perm]
-    if rows.is_cuda:
-        out = kernels.int4_gemm(
-            rows, layer.qweight, layer.scales, layer.zeros, layer.int4_group_size
-        )
-    else:
-        weight = dequantize_int4(
-            layer.qweight, layer.scales, layer.zeros, layer.int4_group_size, layer.int4_in_features
-        )
-        out = (rows.float() @ weight).to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+class Int4LinearMethod(LinearMethodBase):
+    """A 4-bit format's method: its process_weights_after_loading calls set_int4_weights."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if layer.perm is not None:
+            rows = rows[:, layer.perm]
+        if rows.is_cuda:
+            out = kernels.int4_gemm(
+                rows, layer.qweight, layer.scales, layer.zeros, layer.int4_group_size
+            )
+        else:
+            weight = dequantize_int4(
+                layer.qweight,
+                layer.scales,
+                layer.zeros,
+                layer.int4_group_size,
+                layer.int4_in_features,
+            )
+            out = (rows.float() @ weight).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def check_int4_shapes(method: str, in_features: int, out_sizes: list[int], group_size: int) -> None:
