@@ -93,3 +93,13 @@ def test_int4_gemm_bf16_on_a_llama_8b_projection(m: int) -> None:
     expected = x.float() @ dequantize_int4(qweight, scales, zeros, group, k)
     out = kernels.int4_gemm(x, qweight, scales, zeros, group).float()
     assert (out - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize(("n", "k"), [(17, 96), (1000, 1000), (33, 5000)])
+def test_gemv_reads_fp8_weights(n: int, k: int) -> None:
+    """The FP8 layers' batch-1 path: one row of 16/32-bit x against e4m3 W, scaled after."""
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
+    x = (torch.randn(1, k, generator=gen) * k**-0.5).to(DEVICE)
+    expected = x @ w.float().t()
+    torch.testing.assert_close(kernels.gemv(x, w, None), expected, rtol=1e-4, atol=1e-4)

@@ -264,3 +264,49 @@ def test_a_missing_shard_is_reported() -> None:
         "model.layers.0.self_attn.qkv_proj.weight_scale[1]",
         "model.layers.0.self_attn.qkv_proj.weight_scale[2]",
     ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_cuda_fp8_and_int4_layers_equal_their_dequantized_weights(rows: int) -> None:
+    """FP8 through torch._scaled_mm (kernels.gemv at one row), GPTQ act-order through
+    kernels.int4_gemm, in bf16 on the GPU."""
+    torch.manual_seed(6)
+    k, sizes = 256, [256, 128, 128]
+    w = torch.randn(sum(sizes), k)
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    with torch.device("cuda"):
+        fp8 = make_layer(get_quantization_config(None, "fp8"), k, sizes, torch.bfloat16)
+    fp8.weight_loader(fp8.weight, w.bfloat16().cuda())
+    fp8.quant_method.process_weights_after_loading(fp8)
+    dequantized = fp8.weight.float() * fp8.weight_scale.view(-1, 1)
+    seen = x.float() if rows == 1 else per_token_fp8(x.float())  # one row: 16-bit x (GEMV)
+    assert relative(fp8(x).float(), seen @ dequantized.t()) < 1e-2
+
+    perm = torch.randperm(k)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = torch.arange(k, dtype=torch.int32) // 64
+    q_perm, scales, zeros = rtn_int4(w.t()[perm], 64, symmetric=False)
+    q = torch.empty_like(q_perm)
+    q[perm] = q_perm
+    reference = (q.float() - zeros[g_idx.long()].float()) * scales[g_idx.long()]
+    config = GPTQConfig.from_config(
+        {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True}
+    )
+    with torch.device("cuda"):
+        int4 = make_layer(config, k, [sum(sizes)], torch.bfloat16)
+    tensors = {
+        "qweight": gptq_pack_rows(q),
+        "qzeros": gptq_pack_cols(zeros - 1),
+        "scales": scales,
+        "g_idx": g_idx,
+    }
+    for name, tensor in tensors.items():
+        param = getattr(int4, name)
+        int4.weight_loader(param, tensor.to(param.device, param.dtype))
+    int4.quant_method.process_weights_after_loading(int4)
+    assert relative(int4(x).float(), x.float() @ reference.cuda()) < 1e-2
+
+
+def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()

@@ -163,6 +163,8 @@ class Fp8LinearMethod(LinearMethodBase):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _apply_per_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] == 1:  # batch-1 decode reads W once: FP8 W, 16-bit x
+            return (kernels.gemv(x, layer.weight, None) * layer.weight_scale).to(x.dtype)
         if self.scheme.dynamic_activations:
             xq, x_scale = quantize_per_row(x)
         else:
