@@ -28,13 +28,17 @@ def int4_weights(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
     return pack_int4(q, 0).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
 
 
-# (M, K, N, group): GEMV rows (1, 3) and GEMM rows (5, 37), K ending mid-group and mid-word
+# (M, K, N, group): GEMV rows (1-4) and GEMM rows (5, 37), K ending mid-group and mid-word;
+# GEMV tiles inside one group (group 256 at 2 rows, 128 at 3) and across groups, K split
 INT4_CASES = [
     (1, 64, 40, 16),
     (3, 200, 72, 40),
     (5, 96, 130, 32),
     (37, 136, 24, 8),
     (4, 1032, 8, 1032),
+    (2, 600, 80, 256),
+    (2, 4096, 64, 128),
+    (3, 1024, 64, 128),
 ]
 
 
