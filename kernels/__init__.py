@@ -8,6 +8,7 @@ from kernels.activation import silu_and_mul
 from kernels.cache import reshape_and_cache
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
 from kernels.fp8_gemm import fp8_block_gemm
+from kernels.fp8_quant import quantize_fp8
 from kernels.gemv import gemv, rms_norm_gemv, silu_and_mul_gemv
 from kernels.int4_gemm import int4_gemm
 from kernels.norm import fused_add_rms_norm, rms_norm
@@ -26,6 +27,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepare_logits",
+    "quantize_fp8",
     "reshape_and_cache",
     "rms_norm_gemv",
     "rms_norm",

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import kernels
-from asyncllm.layers.quantization.fp8 import dequantize_blocks, quantize_per_token_group
+from asyncllm.layers.quantization.fp8 import (
+    MIN_SCALE,
+    dequantize_blocks,
+    quantize_per_row,
+    quantize_per_token_group,
+    quantize_with_scale,
+)
 from asyncllm.layers.quantization.int4 import dequantize_int4, pack_int4
 from kernels.int4_gemm import GEMV_MAX_ROWS
 
@@ -101,9 +107,54 @@ def test_int4_gemm_bf16_on_a_llama_8b_projection(m: int) -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(17, 96), (1000, 1000), (33, 5000)])
 def test_gemv_reads_fp8_weights(n: int, k: int) -> None:
-    """The FP8 layers' batch-1 path: one row of 16/32-bit x against e4m3 W, scaled after."""
+    """The FP8 layers' batch-1 path: one row of 16/32-bit x against e4m3 W (four rows of W a
+    program, N off that), each column scaled in the kernel."""
     gen = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
     x = (torch.randn(1, k, generator=gen) * k**-0.5).to(DEVICE)
-    expected = x @ w.float().t()
-    torch.testing.assert_close(kernels.gemv(x, w, None), expected, rtol=1e-4, atol=1e-4)
+    scale = (torch.rand(1, n, generator=gen) + 0.5).to(DEVICE)
+    torch.testing.assert_close(kernels.gemv(x, w, None), x @ w.float().t(), rtol=1e-4, atol=1e-4)
+    expected = (x @ w.float().t()) * scale
+    out = kernels.gemv(x, w, None, scale=scale)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+# (M, K, group): one group per row, a row longer than one 4096 tile, a partial last group
+QUANT_CASES = [(3, 100, None), (2, 5000, None), (5, 300, 128), (1, 40, 16)]
+
+
+@pytest.mark.parametrize(("m", "k", "group"), QUANT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_equals_the_torch_reference(m, k, group, dtype) -> None:
+    """Bit for bit, an all-zero row (scale MIN_SCALE) included. On the GPU random values over
+    six decades, into e4m3's subnormals; the interpreter's cast to e4m3 rounds wrongly (124.1 to
+    64, 0.0038 to 0.00195), so on CPU the values are e4m3 values times 1/8 with each group's
+    max at 448/8: the scale comes out 1/8 and x / scale needs no rounding."""
+    gen = torch.Generator().manual_seed(m * k)
+    if CUDA:
+        magnitudes = (torch.rand(m, k, generator=gen) + 1) * torch.logspace(-3, 3, k)
+        x = magnitudes * (torch.randint(0, 2, (m, k), generator=gen) * 2 - 1)
+    else:
+        x = torch.randn(m, k, generator=gen).to(torch.float8_e4m3fn).float() / 8
+        x[:, :: group or k] = -448 / 8
+    x = x.to(dtype)
+    x[0] = 0.0
+    x = x.to(DEVICE)
+    q, scales = kernels.quantize_fp8(x, group, min_scale=MIN_SCALE)
+    q_ref, scales_ref = quantize_per_row(x) if group is None else quantize_per_token_group(x, group)
+    assert torch.equal(scales, scales_ref.view(m, -1))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quantize_fp8_with_a_static_scale() -> None:
+    """e4m3 values times the scale (exact under the interpreter too, see above), and values
+    past 448 times it, which clamp."""
+    x = torch.randn(4, 70, generator=torch.Generator().manual_seed(0)) * 100
+    x = x.to(torch.float8_e4m3fn).float() / 2
+    x[:, ::9] = torch.tensor([500.0, -2000.0]).repeat(4, 4)
+    x = x.to(DEVICE)
+    static = torch.tensor([0.5], device=DEVICE)
+    q, scales = kernels.quantize_fp8(x, static_scale=static)
+    ref_scales = static.expand(4, 1)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(q.view(torch.uint8), quantize_with_scale(x, ref_scales).view(torch.uint8))

@@ -164,12 +164,9 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def _apply_per_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] == 1:  # batch-1 decode reads W once: FP8 W, 16-bit x
-            return (kernels.gemv(x, layer.weight, None) * layer.weight_scale).to(x.dtype)
-        if self.scheme.dynamic_activations:
-            xq, x_scale = quantize_per_row(x)
-        else:
-            x_scale = layer.input_scale.expand(x.shape[0], 1).contiguous()
-            xq = quantize_with_scale(x, x_scale)
+            return kernels.gemv(x, layer.weight, None, scale=layer.weight_scale)
+        static_scale = None if self.scheme.dynamic_activations else layer.input_scale
+        xq, x_scale = quantize_activations(x, static_scale=static_scale)
         if x.is_cuda and _scaled_mm_fits(x, layer.weight):
             return torch._scaled_mm(
                 xq, layer.weight.t(), x_scale, layer.weight_scale, out_dtype=x.dtype
@@ -180,7 +177,7 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def _apply_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         _, block_k = self.scheme.block
-        xq, x_scale = quantize_per_token_group(x, block_k)
+        xq, x_scale = quantize_activations(x, group_size=block_k)
         w_scale = getattr(layer, self.scheme.scale_name)
         if x.is_cuda:
             return kernels.fp8_block_gemm(
@@ -193,6 +190,21 @@ class Fp8LinearMethod(LinearMethodBase):
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """cuBLAS' FP8 GEMM needs K and N in multiples of 16."""
     return x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0
+
+
+def quantize_activations(
+    x: torch.Tensor, group_size: int | None = None, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, fp32 scales [rows, groups]): per row, per row and group of K, or with one
+    static scale; on CUDA one fused launch (kernels.quantize_fp8), else the torch reference."""
+    if x.is_cuda:
+        return kernels.quantize_fp8(x, group_size, static_scale, MIN_SCALE)
+    if static_scale is not None:
+        scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        return quantize_with_scale(x, scale), scale
+    if group_size is not None:
+        return quantize_per_token_group(x, group_size)
+    return quantize_per_row(x)
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
