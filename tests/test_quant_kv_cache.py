@@ -17,6 +17,7 @@ from asyncllm.attention.torch_backend import TorchAttentionBackend, write_kv_cac
 from asyncllm.attention.triton_backend import TritonAttentionBackend
 from asyncllm.config import CacheConfig
 from kernels import reshape_and_cache
+from kernels.decode_attention import LONG_TILE_MIN_SEQS, default_decode_config
 
 FP8 = torch.float8_e4m3fn
 # a mixed step: decodes beside a prompt and a chunk continued over cached tokens, padding rows
@@ -44,6 +45,14 @@ def test_attention_over_an_fp8_cache_equals_the_rounded_values(backend, query_le
     ref = TorchAttentionBackend(use_cpu_kernel=False).attend(query, rounded, meta, 0.125)
     n = sum(query_lens)
     assert relative_error(out[:n], ref[:n]) < 1e-5
+
+
+def test_decode_reads_an_fp8_cache_in_tiles_of_twice_the_keys() -> None:
+    """The same bytes a tile as a 16-bit cache (the triton case above runs fp32 queries, so
+    64-key tiles over its FP8 cache)."""
+    for dtype, seqs in [(torch.bfloat16, LONG_TILE_MIN_SEQS), (torch.float32, 1)]:
+        wide = default_decode_config(dtype, seqs, FP8).block_n
+        assert wide == 2 * default_decode_config(dtype, seqs, dtype).block_n
 
 
 def test_the_triton_kv_write_rounds_as_torch_does() -> None:
