@@ -51,8 +51,8 @@ def _fp8_block_gemm_kernel(
         w_scale = tl.load(
             ws_ptr + (cols // BLOCK_SCALE_N) * num_k_scales + k_scale, mask=col_mask, other=0.0
         )
-        # Triton lets Hopper's FP8 MMA chain a whole tile in its narrow (about 14-bit) running
-        # sum: promote to fp32 every PROMOTE_K of K (as DeepGEMM does), the tests' 1e-4 needs it
+        # by default Triton lets Hopper's FP8 MMA chain a whole tile in its narrow (about
+        # 14-bit) running sum; promoting to fp32 every PROMOTE_K of K keeps the fp32 result
         dot = tl.dot(x, w, max_num_imprecise_acc=PROMOTE_K)
         acc += dot * x_scale[:, None] * w_scale[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
