@@ -9,8 +9,9 @@ gives the float 2^23 + q exactly, and one subtraction leaves q.
 Batches of up to GEMV_MAX_ROWS rows (decode) sum x * q without tensor cores for all rows at
 once, so W is read once whatever the rows; the zero point and scale come in once per packed
 row and column, as s * (sum x * q - z * sum x), and the sum over K waits until the end. K is
-split over programs so that even narrow N fills the GPU. Larger batches unpack a
-[BLOCK_K, BLOCK_N] tile of W to the activations' dtype for a tensor-core dot.
+split over programs (their sums added atomically in fp32) where N alone would not fill the
+GPU. Larger batches unpack a [BLOCK_K, BLOCK_N] tile of W to the activations' dtype for a
+tensor-core dot.
 """
 
 from __future__ import annotations
@@ -100,9 +101,11 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     GROUP_PER_TILE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """out (fp32, zeroed) += x[:, split] @ W[split] for all M rows; BLOCK_R packed rows (8 *
-    BLOCK_R of K) at a time. GROUP_PER_TILE: every tile lies in one group (one scale row)."""
+    """out += x[:, split] @ W[split] for all M rows (SPLIT_K: out fp32 and zeroed, else out =
+    x @ W in its dtype); BLOCK_R packed rows (8 * BLOCK_R of K) at a time. GROUP_PER_TILE:
+    every tile lies in one group (one scale row)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -141,11 +144,12 @@ def _int4_gemv_kernel(
             scale = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)[None, :, :]
             zero = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)[None, :, :]
         acc += scale * (dot - zero * x_sum[:, :, None])
-    tl.atomic_add(
-        out_ptr + m[:, None] * N + cols[None, :],
-        tl.sum(acc, axis=1),
-        mask=m_mask[:, None] & col_mask[None, :],
-    )
+    out_ptrs = out_ptr + m[:, None] * N + cols[None, :]
+    out_mask = m_mask[:, None] & col_mask[None, :]
+    if SPLIT_K:
+        tl.atomic_add(out_ptrs, tl.sum(acc, axis=1), mask=out_mask)
+    else:
+        tl.store(out_ptrs, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def int4_gemm(
@@ -194,11 +198,18 @@ def _gemv(x, qweight, scales, zeros, group_size):
     block_n, block_r = 64, 32 if block_m <= 2 else 16
     tile_k = 8 * block_r
     column_blocks = triton.cdiv(n, block_n)
-    # enough programs for about four per SM, each over a whole number of tiles
-    splits = max(1, min(triton.cdiv(4 * num_sms(x.device), column_blocks), triton.cdiv(k, 512)))
+    # enough programs for about four per SM, each over a whole number of tiles; none split
+    # where the columns alone make two per SM, so that one launch (no zeroing, no cast) does
+    sms = num_sms(x.device)
+    splits = max(1, min(triton.cdiv(4 * sms, column_blocks), triton.cdiv(k, 512)))
+    if column_blocks >= 2 * sms:
+        splits = 1
     k_per_split = triton.cdiv(triton.cdiv(k, splits), tile_k) * tile_k
     splits = triton.cdiv(k, k_per_split)
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    if splits > 1:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(column_blocks, splits)](
         x,
         qweight,
@@ -214,6 +225,7 @@ def _gemv(x, qweight, scales, zeros, group_size):
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         GROUP_PER_TILE=group_size % tile_k == 0,
+        SPLIT_K=splits > 1,
         num_warps=4,
     )
     return out.to(x.dtype)

@@ -35,7 +35,8 @@ def int4_weights(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
 
 
 # (M, K, N, group): GEMV rows (1-4) and GEMM rows (5, 37), K ending mid-group and mid-word;
-# GEMV tiles inside one group (group 256 at 2 rows, 128 at 3) and across groups, K split
+# GEMV tiles inside one group (group 256 at 2 rows, 128 at 3) and across groups, K split, and
+# K not split for N wide enough to fill the GPU alone
 INT4_CASES = [
     (1, 64, 40, 16),
     (3, 200, 72, 40),
@@ -45,6 +46,7 @@ INT4_CASES = [
     (2, 600, 80, 256),
     (2, 4096, 64, 128),
     (3, 1024, 64, 128),
+    (1, 520, 1040, 8),
 ]
 
 
