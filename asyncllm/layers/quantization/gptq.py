@@ -105,7 +105,9 @@ class GPTQLinearMethod(Int4LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int4(layer.qweight.data, 0)
         zeros = unpack_int4(layer.qzeros.data, 1) + int(self.config.zeros_minus_one)
-        g_idx = layer.g_idx.data
+        # without act-order row k is in group k // group_size: a row-parallel rank's g_idx
+        # slice counts the groups of the whole layer, its scales only its own
+        g_idx = layer.g_idx.data if self.config.desc_act else None
         set_int4_weights(
             layer, _CHECKPOINT_PARAMS, q, layer.scales.data, zeros, layer.gptq_group_size, g_idx
         )
