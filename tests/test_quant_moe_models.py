@@ -1,13 +1,17 @@
 """FP8 at load on the MoE models: their attention projections are quantized (DeepSeek-V2's
 kv_b_proj, which the attention reads as a matrix, is not), the experts and routers are not; the
-quantized model stays close to the unquantized one."""
+quantized model stays close to the unquantized one. An FP8 KV cache is refused for MLA."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from test_moe_models import VOCAB, kv_caches, make_pair, metadata, tokens
+import transformers
+from test_moe_models import CONFIGS, TINY, VOCAB, kv_caches, make_pair, metadata, tokens
 
+from asyncllm import LLM
 from asyncllm.attention.torch_backend import TorchAttentionBackend
 from asyncllm.layers.linear import LinearBase, process_weights_after_loading
 from asyncllm.layers.quantization import get_quantization_config
@@ -46,3 +50,12 @@ def test_fp8_at_load_quantizes_the_attention_only(name: str) -> None:
     logits = [m.compute_logits(m(ids, positions, kv_caches(m), meta)) for m in (ours, quantized)]
     error = (logits[1] - logits[0]).norm() / logits[0].norm()
     assert 0 < error < 0.05
+
+
+def test_an_fp8_kv_cache_is_refused_for_latent_attention(tmp_path: Path) -> None:
+    config_class, extra = CONFIGS["deepseek_v2_lite_yarn"]
+    config = config_class(**{**TINY, **extra})
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="latent cache of an MLA model"):
+        LLM(model=str(tmp_path), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=64)

@@ -406,4 +406,11 @@ class ModelRunner:
         ]
 
     def _kv_cache_dtype(self) -> torch.dtype:
-        return self.config.cache.cache_dtype(self.config.model.dtype)
+        dtype = self.config.cache.cache_dtype(self.config.model.dtype)
+        latent = any(spec.num_planes == 1 for spec in self.model.kv_cache_specs)
+        if latent and dtype != self.config.model.dtype:
+            raise ValueError(
+                "kv_cache_dtype fp8 is for key/value caches: the latent cache of an MLA model "
+                "(DeepSeek-V2) keeps the model's dtype"
+            )
+        return dtype
