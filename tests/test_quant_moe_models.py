@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_moe_models import CONFIGS, TINY, VOCAB, kv_caches, make_pair, metadata, tokens
+from test_moe_models import (
+    CONFIGS,
+    DEVICE,
+    TINY,
+    VOCAB,
+    kv_caches,
+    make_pair,
+    metadata,
+    tokens,
+)
 
 from asyncllm import LLM
 from asyncllm.attention.torch_backend import TorchAttentionBackend
@@ -31,9 +40,10 @@ ATTENTION = {
 def test_fp8_at_load_quantizes_the_attention_only(name: str) -> None:
     hf, ours = make_pair(name)
     config = hf.config
-    quantized = get_model_class(config)(
-        config, TorchAttentionBackend(), get_quantization_config(None, "fp8")
-    ).eval()
+    with torch.device(DEVICE):
+        quantized = get_model_class(config)(
+            config, TorchAttentionBackend(), get_quantization_config(None, "fp8")
+        ).eval()
     quantized.load_weights(hf.state_dict().items())
     linears = {n: m for n, m in quantized.named_modules() if isinstance(m, LinearBase)}
     assert [u for m in linears.values() for u in m.unloaded()] == []
