@@ -53,11 +53,8 @@ def _cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
         if method is not None and not isinstance(method, UnquantizedLinearMethod):
             continue
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            if tensor.dtype in _FLOAT_DTYPES:
+            if tensor.is_floating_point():
                 tensor.data = tensor.data.to(dtype)
-
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @contextlib.contextmanager
