@@ -15,6 +15,8 @@ from asyncllm.model_files.generation_config import sampling_defaults
 from asyncllm.model_files.model_path import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# keys and values stored as they are (scale 1), which e4m3's range of +-448 holds
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -59,6 +61,10 @@ class EngineArgs:
     # vLLM's --speculative-config: a JSON object (a dict from Python) with method,
     # num_speculative_tokens, model, prompt_lookup_min and prompt_lookup_max
     speculative_config: dict | str | None = None
+    # fp8 quantizes a 16-bit checkpoint's weights at load; a quantized checkpoint's own
+    # quantization_config needs no flag (given, it must agree)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, half a bf16 cache)
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_args(self)
@@ -68,6 +74,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -107,6 +114,7 @@ class ModelConfig:
     seed: int
     max_logprobs: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
+    quantization: str | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:
@@ -135,6 +143,7 @@ class ModelConfig:
             sampling_defaults=sampling_defaults(
                 path, args.generation_config, args.override_generation_config
             ),
+            quantization=args.quantization,
         )
 
 
@@ -217,6 +226,17 @@ class CacheConfig:
     gpu_memory_utilization: float
     num_blocks: int | None
     enable_prefix_caching: bool
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}."
+            )
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return _KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 @dataclass

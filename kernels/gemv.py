@@ -86,6 +86,7 @@ def _gemv_kernel(
     norm_weight_ptr,
     w_ptr,
     bias_ptr,
+    scale_ptr,
     out_ptr,
     N,
     K,
@@ -93,11 +94,13 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[n] = sum_k f(x)[k] * w[n, k] (+ bias[n]); f's input dtype rounding as unfused."""
+    """out[n] = sum_k f(x)[k] * w[n, k] (* scale[n]) (+ bias[n]); f's input dtype rounding as
+    unfused."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -124,6 +127,8 @@ def _gemv_kernel(
         w = _w_tile(w_ptr, rows, row_mask, cols, K)
         x = _x_tile(x_ptr, residual_ptr, norm_weight_ptr, cols, K, rstd, PROLOGUE, HAS_RESIDUAL)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -149,12 +154,16 @@ def _launch(
     residual_out: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n = weight.shape[0]
     assert x.is_contiguous() and weight.is_contiguous() and weight.shape[1] == k
-    assert weight.dtype == x.dtype
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    assert weight.dtype == x.dtype or fp8
+    assert scale is None or (scale.is_contiguous() and scale.numel() == n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    config = config or choose_gemv_config(n, k)
+    # e4m3 rows are half as long in bytes: four of them give a program bf16's two rows' bytes
+    config = config or choose_gemv_config(n, k, block_n=4 if fp8 else 2)
     pdl = uses_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
@@ -163,6 +172,7 @@ def _launch(
         norm_weight if norm_weight is not None else x,
         weight,
         bias if bias is not None else weight,
+        scale if scale is not None else weight,
         out,
         n,
         k,
@@ -170,6 +180,7 @@ def _launch(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_PDL=pdl,
@@ -184,13 +195,15 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T + bias [N] -> [1, N] in x's dtype, accumulated in fp32.
+    """x [1, K] @ weight [N, K]^T * scale [N] + bias [N] -> [1, N] in x's dtype, accumulated
+    in fp32; weight in x's dtype or e4m3 (scale: its per-column fp32 scales).
 
     Like every function here it allocates only by shape and never syncs with the device, so
     it can be captured in a CUDA graph."""
     assert x.shape[0] == 1
-    return _launch(x, weight, bias, x.shape[1], NO_PROLOGUE, config)
+    return _launch(x, weight, bias, x.shape[1], NO_PROLOGUE, config, scale=scale)
 
 
 def rms_norm_gemv(

@@ -59,7 +59,7 @@ def _attend_tile(
         kv_mask = d_mask[None, :]
     slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
     kv_ptrs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_offset[None, :]
-    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if CAUSAL_MASK:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
@@ -67,7 +67,7 @@ def _attend_tile(
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     denom = denom * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, denom
 

@@ -43,3 +43,23 @@ def test_a_checkpoint_missing_tensors_is_refused(tiny_model_dir, tmp_path) -> No
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="norm.weight"):
         LLM(model=str(tmp_path))
+
+
+def test_a_missing_shard_of_a_fused_layer_is_refused(tiny_model_dir, tmp_path) -> None:
+    """k_proj gone: qkv_proj's q and v shards are there, so only its shard 1 is missing."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight\[1\]"):
+        LLM(model=str(tmp_path))
+
+
+def test_dummy_weights_of_a_quantized_model(tiny_model_dir, tmp_path) -> None:
+    """Packed int4 words, scales and g_idx filled so that the model runs."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert len(greedy(str(tmp_path), load_format="dummy")) == 6

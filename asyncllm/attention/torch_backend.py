@@ -29,8 +29,15 @@ def write_kv_cache(
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     num_kv_heads, head_dim = key.shape[1:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key, value = (_bytes(t.to(kv_cache.dtype)) for t in (key, value))  # rounded for an FP8 cache
+    cache = _bytes(kv_cache)
+    cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as its bytes, which index_copy_ / index_select handle on CPU."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def gather_blocks(
@@ -41,9 +48,9 @@ def gather_blocks(
     index_select on each half runs 2.5x faster on CPU than advanced indexing of the pair."""
     flat = block_ids.reshape(-1).long()
     shape = (*block_ids.shape, *kv_cache.shape[2:])
-    return kv_cache[0].index_select(0, flat).view(shape), kv_cache[1].index_select(0, flat).view(
-        shape
-    )
+    cache = _bytes(kv_cache)
+    keys, values = (cache[i].index_select(0, flat).view(shape) for i in (0, 1))
+    return keys.view(kv_cache.dtype), values.view(kv_cache.dtype)
 
 
 def gather_kv(
@@ -184,12 +191,16 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """Prompt rows one request at a time; decode rows together in the kernel when it runs."""
         decodes = (
-            self._per_step(meta, "decode_rows", decode_rows) if self._kernel_runs(query) else None
+            self._per_step(meta, "decode_rows", decode_rows)
+            if self._kernel_runs(query, kv_cache)
+            else None
         )
         start = 0
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if decodes is None or r not in decodes.requests:
-                k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
+                k, v = (
+                    t.to(query.dtype) for t in gather_kv(kv_cache, meta.block_tables[r], seq_len)
+                )
                 q = query[start : start + query_len].transpose(0, 1)[None]
                 mask = None if query_len == 1 else _causal_mask(query_len, seq_len, query.device)
                 o = _attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
@@ -218,7 +229,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """One query per request: all in one kernel call, or else each group of requests of
         similar lengths gathers its block tables at once and masks past each length."""
-        if self._kernel_runs(query):
+        if self._kernel_runs(query, kv_cache):
             n = meta.num_reqs
             return paged_decode_attention_cpu(
                 query, kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, out
@@ -228,8 +239,8 @@ class TorchAttentionBackend:
         block_size = kv_cache.shape[2]
         for group in self._per_step(meta, "groups", lambda m: decode_groups(m, block_size)):
             keys, values = gather_blocks(kv_cache, group.block_tables)
-            keys = keys.flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-            values = values.flatten(1, 2).transpose(1, 2)
+            keys = keys.flatten(1, 2).transpose(1, 2).to(query.dtype)  # [B, Hkv, S, D]
+            values = values.flatten(1, 2).transpose(1, 2).to(query.dtype)
             # the query heads sharing a KV head become that head's query rows: no K/V repeat
             grouped = query.index_select(0, group.rows)
             grouped = grouped.view(len(group.rows), num_kv_heads, -1, head_dim)
@@ -239,11 +250,12 @@ class TorchAttentionBackend:
             out.index_copy_(0, group.rows, o.reshape(-1, num_heads, head_dim))
         return out
 
-    def _kernel_runs(self, query: torch.Tensor) -> bool:
+    def _kernel_runs(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
             self.use_cpu_kernel
             and query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.dtype == query.dtype
             and cpu_decode_attention_available()
         )
 

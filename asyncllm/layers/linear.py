@@ -77,12 +77,12 @@ def read_range(loaded: LoadedWeight, dim: int, start: int, size: int) -> torch.T
     return loaded[(slice(None),) * dim + (slice(start, start + size),)]
 
 
-def copy_weight(target: torch.Tensor, source: torch.Tensor) -> None:
+def copy_weight(target: torch.Tensor, source: torch.Tensor, name: str = "a parameter") -> None:
     """copy_ without its broadcasting, which would hide a checkpoint of the wrong shape."""
     if tuple(target.shape) != tuple(source.shape):
         raise ValueError(
-            f"checkpoint tensor of shape {tuple(source.shape)} does not fit a parameter (or its "
-            f"shard) of shape {tuple(target.shape)}"
+            f"{name}: the checkpoint tensor of shape {tuple(source.shape)} does not fit the "
+            f"parameter (or its shard) of shape {tuple(target.shape)}"
         )
     target.copy_(source)
 
@@ -131,6 +131,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
+        self._loaded_shards: set[tuple[str, int]] = set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.combine(self.quant_method.apply(self, x, self.rank_bias))
@@ -145,7 +146,35 @@ class LinearBase(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None
     ) -> None:
-        default_weight_loader(param, loaded_weight)
+        self.load_unsplit(param, loaded_weight, 0)
+
+    def load_unsplit(self, param: nn.Parameter, loaded: LoadedWeight, shard_index: int) -> None:
+        """A param not split across ranks: whole, or, when shard_indexed, one value per merged
+        shard along dim 0 (a per-tensor scale, which checkpoints save as [] or [1])."""
+        target, source = param.data, read_all(loaded)
+        if getattr(param, "shard_indexed", False):
+            target = target[shard_index]
+            if source.numel() == target.numel():
+                source = source.reshape(target.shape)
+        self.store(param, target, source, shard_index)
+
+    def store(
+        self, param: nn.Parameter, target: torch.Tensor, source: torch.Tensor, shard_index: int
+    ) -> None:
+        """Copies source into target, a view of param, and notes the shard as loaded."""
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+        copy_weight(target, source, f"{self.prefix}.{name}")
+        self._loaded_shards.add((name, shard_index))
+
+    def unloaded(self) -> list[str]:
+        """The parameters (and which merged shard of them) no weight_loader call filled."""
+        shards = range(len(self.output_partition_sizes))
+        return [
+            f"{self.prefix}.{name}[{i}]"
+            for name, _ in self.named_parameters(recurse=False)
+            for i in shards
+            if (name, i) not in self._loaded_shards
+        ]
 
 
 class ReplicatedLinear(LinearBase):
@@ -213,14 +242,10 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         """Copies loaded[start : start + size] to param[offset : offset + size] along the
         param's output_dim; offset, size and start count output features, which a packed or
-        blocked param holds fewer of. A param without an output_dim holds one value per shard
-        (a per-tensor scale) or is whole."""
+        blocked param holds fewer of. A param without an output_dim is not split."""
         dim = getattr(param, "output_dim", None)
         if dim is None:
-            per_shard = param.data.dim() > 0 and param.data.shape[0] == len(
-                self.output_partition_sizes
-            )
-            copy_weight(param.data[shard_index] if per_shard else param.data, read_all(loaded))
+            self.load_unsplit(param, loaded, shard_index)
             return
         held = param.data.shape[dim]
 
@@ -231,7 +256,7 @@ class ColumnParallelLinear(LinearBase):
             return units // self.output_size_per_partition
 
         target = param.data.narrow(dim, scaled(offset), scaled(size))
-        copy_weight(target, read_range(loaded, dim, scaled(start), scaled(size)))
+        self.store(param, target, read_range(loaded, dim, scaled(start), scaled(size)), shard_index)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -343,10 +368,10 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         dim = getattr(param, "input_dim", None)
         if dim is None:
-            default_weight_loader(param, loaded_weight)
+            self.load_unsplit(param, loaded_weight, 0)
             return
         size = param.data.shape[dim]
-        copy_weight(param.data, read_range(loaded_weight, dim, self.tp_rank * size, size))
+        self.store(param, param.data, read_range(loaded_weight, dim, self.tp_rank * size, size), 0)
 
 
 def _fusable(linear: LinearBase, x: torch.Tensor, row: int) -> bool:

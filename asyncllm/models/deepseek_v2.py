@@ -15,7 +15,7 @@ from asyncllm.attention.kv_cache_spec import KVCacheSpec
 from asyncllm.attention.mla import MLADims, MLAttention, write_latent_cache
 from asyncllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from asyncllm.layers.fused_moe import RoutingConfig
-from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear, read_all
+from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, yarn_mscale
 from asyncllm.models.causal_lm import PieceShapes, PiecewiseDecoderLayer
@@ -35,8 +35,15 @@ class UpProjection(nn.Module):
 
 
 class MLAProjections(nn.Module):
+    """kv_b_proj stays unquantized: the attention reads its weight."""
+
     def __init__(
-        self, config: PretrainedConfig, backend: AttentionBackend, rotary: RotaryEmbedding
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
     ) -> None:
         super().__init__()
         if get_tensor_model_parallel_world_size() > 1:
@@ -48,19 +55,23 @@ class MLAProjections(nn.Module):
         dims = self.dims
         qk_dim = dims.qk_nope_head_dim + dims.qk_rope_head_dim
         bias = config.attention_bias
+
+        def linear(name: str, input_size: int, output_size: int, bias: bool) -> ReplicatedLinear:
+            return ReplicatedLinear(input_size, output_size, bias, quant_config, f"{prefix}.{name}")
+
         if config.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(hidden, heads * qk_dim, bias=False)
+            self.q_proj = linear("q_proj", hidden, heads * qk_dim, False)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_proj = linear("q_a_proj", hidden, config.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = ReplicatedLinear(config.q_lora_rank, heads * qk_dim, bias=False)
+            self.q_b_proj = linear("q_b_proj", config.q_lora_rank, heads * qk_dim, False)
         width = dims.kv_lora_rank + dims.qk_rope_head_dim
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, width, bias=bias)
+        self.kv_a_proj_with_mqa = linear("kv_a_proj_with_mqa", hidden, width, bias)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = UpProjection(
             dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim)
         )
-        self.o_proj = ReplicatedLinear(heads * dims.v_head_dim, hidden, bias=bias)
+        self.o_proj = linear("o_proj", heads * dims.v_head_dim, hidden, bias)
         self.rotary = rotary
         self.attn = MLAttention(dims, backend.max_short_step_tokens)
 
@@ -124,9 +135,11 @@ class DeepseekV2DecoderLayer(PiecewiseDecoderLayer):
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
         index: int,
+        quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
-        self.self_attn = MLAProjections(config, backend, rotary)
+        prefix = f"model.layers.{index}.self_attn"
+        self.self_attn = MLAProjections(config, backend, rotary, quant_config, prefix)
         self.mlp = _mlp(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -192,7 +205,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         # one cos/sin cache for every layer: V2-Lite's is 163,840 positions x 64
         if index == 0:
             self.rotary = mla_rotary(config)
-        return DeepseekV2DecoderLayer(config, backend, self.rotary, index)
+        return DeepseekV2DecoderLayer(config, backend, self.rotary, index, quant_config)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         loaded: set[str] = set()
@@ -207,7 +220,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             if ".self_attn.q_proj." not in name:
                 yield name, tensor
                 continue
-            self.get_parameter(name).data.copy_(read_all(tensor))
+            param = self.get_parameter(name)
+            param.weight_loader(param, tensor)
             loaded.add(name)
 
     @property

@@ -12,24 +12,49 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import ModelConfig
-from asyncllm.layers.linear import LoadedWeight, process_weights_after_loading
+from asyncllm.layers.linear import LinearBase, LoadedWeight, process_weights_after_loading
+from asyncllm.layers.quantization import QuantizationConfig, get_quantization_config
+from asyncllm.layers.quantization.base import UnquantizedLinearMethod
 from asyncllm.models.registry import get_model_class
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     model_class = get_model_class(config.hf_config)
+    quant_config = quantization_of(config)
     with torch.device(config.device), _default_dtype(config.dtype):
-        model = model_class(config.hf_config, backend)
+        model = model_class(config.hf_config, backend, quant_config)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         loaded = model.load_weights(iter_safetensors(config.path))
         missing = {name for name, _ in model.named_parameters()} - loaded
+        missing |= {n for m in model.modules() if isinstance(m, LinearBase) for n in m.unloaded()}
         if missing:
             raise ValueError(f"model: the checkpoint lacks {', '.join(sorted(missing)[:5])}")
-    model = model.to(config.dtype).eval()
+    _cast_unquantized(model, config.dtype)
+    model.eval()
     process_weights_after_loading(model)
     return model
+
+
+def quantization_of(config: ModelConfig) -> QuantizationConfig | None:
+    """From the checkpoint's quantization_config, else from --quantization (fp8 at load)."""
+    checkpoint = getattr(config.hf_config, "quantization_config", None)
+    if checkpoint is not None and not isinstance(checkpoint, dict):
+        checkpoint = checkpoint.to_dict()
+    return get_quantization_config(checkpoint, config.quantization)
+
+
+def _cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """The model's dtype for every float tensor but a quantized layer's, whose parameters keep
+    their own dtypes (FP8, int32, fp32 scales) until its method repacks them."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, UnquantizedLinearMethod):
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
 
 
 @contextlib.contextmanager
@@ -59,9 +84,20 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, LoadedWeight]]:
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Small random values: enough for speed benchmarks, with sane activations."""
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        generator = torch.Generator(device=param.device).manual_seed(seed)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-            continue
-        generator = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, 0.02, generator=generator)
+        elif name.endswith("g_idx"):  # input row k in group k // group_size
+            groups = params[name.removesuffix("g_idx") + "scales"].shape[0]
+            param.copy_(torch.arange(param.numel(), device=param.device) * groups // param.numel())
+        elif not param.is_floating_point():  # packed 4-bit values
+            param.random_(0, 2**31 - 1, generator=generator)
+        elif "scale" in name.rpartition(".")[2]:
+            param.uniform_(0.5e-3, 1.5e-3, generator=generator)
+        elif param.element_size() == 1:  # FP8, which has no normal_
+            noise = torch.empty(param.shape, device=param.device)
+            param.copy_(noise.normal_(0.0, 0.02, generator=generator))
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

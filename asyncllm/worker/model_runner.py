@@ -356,7 +356,7 @@ class ModelRunner:
         return constrained_rows(scheduled)
 
     def _bytes_per_block(self) -> int:
-        dtype = self.config.model.dtype
+        dtype = self._kv_cache_dtype()
         size = sum(spec.block_bytes(self.block_size, dtype) for spec in self.model.kv_cache_specs)
         if self.drafter is not None:
             size += self.drafter.bytes_per_block(self.block_size)
@@ -399,8 +399,18 @@ class ModelRunner:
         )  # fmt: skip
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        dtype = self.config.model.dtype
+        dtype = self._kv_cache_dtype()
         return [
             torch.zeros(spec.shape(num_blocks, self.block_size), dtype=dtype, device=self.device)
             for spec in self.model.kv_cache_specs
         ]
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        dtype = self.config.cache.cache_dtype(self.config.model.dtype)
+        latent = any(spec.num_planes == 1 for spec in self.model.kv_cache_specs)
+        if latent and dtype != self.config.model.dtype:
+            raise ValueError(
+                "kv_cache_dtype fp8 is for key/value caches: the latent cache of an MLA model "
+                "(DeepSeek-V2) keeps the model's dtype"
+            )
+        return dtype

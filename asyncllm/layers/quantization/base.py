@@ -1,5 +1,7 @@
 """The linear methods: a layer's weight storage and GEMM, swapped by quantization while the
-layers and the model code stay as they are (vLLM's LinearMethodBase).
+layers and the model code stay as they are (vLLM's LinearMethodBase). The quantized methods
+(fp8, awq, gptq, compressed_tensors) implement the same three steps: create the parameters the
+checkpoint fills, repack them once loaded, run the GEMM.
 
 The unquantized method keeps the two fast paths of full-precision weights: batch-1 decode on
 CUDA goes through kernels.gemv, and fp32 weights on CPU are stored in oneDNN's own layout.
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from asyncllm.layers.quantization.parameter import weight_param
 
 # rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
 _ROWS_HINT = 32
@@ -36,9 +39,8 @@ class LinearMethodBase(ABC):
         output_size: int,
         params_dtype: torch.dtype,
     ) -> None:
-        """Registers this rank's parameters on layer. Each carries `input_dim` and `output_dim`
-        (the dim its checkpoint tensor is split along, or None), and `packed_dim` with
-        `packed_factor` where several values share one element."""
+        """Registers this rank's parameters on layer, made by parameter.weight_param with the
+        attributes the layer's weight_loader shards them by."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional)
         """Once the checkpoint is in, the model moved to its device and dtype."""
@@ -48,11 +50,6 @@ class LinearMethodBase(ABC):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ weight.T (+ bias) on this rank's share of the weight."""
-
-
-def set_weight_attrs(param: nn.Parameter, **attrs: object) -> None:
-    for name, value in attrs.items():
-        setattr(param, name, value)
 
 
 def single_cuda_row(x: torch.Tensor) -> bool:
@@ -72,8 +69,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
     ) -> None:
         shape = (sum(output_partition_sizes), input_size_per_partition)
-        weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
-        set_weight_attrs(weight, input_dim=1, output_dim=0)
+        weight = weight_param(torch.empty(shape, dtype=params_dtype), output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
