@@ -1,0 +1,191 @@
+"""The 4-bit GEMV at one row on the Llama-3.1-8B projections: kernels.int4_gemm as it runs, its
+GEMV kernel over a sweep of tile sizes and warps, and a second design (x loaded once per tile
+as [rows, 8], the tile's sum taken each iteration, one scale row per tile), each as weight bytes
+read per second against the copy bandwidth of the same run and against bf16's kernels.gemv.
+
+    python bench/int4_gemv_sweep.py --out bench/results/int4_gemv_sweep_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import kernels  # noqa: E402
+from asyncllm.layers.quantization.int4 import dequantize_int4, pack_int4  # noqa: E402
+from bench.throughput import copy_bandwidth  # noqa: E402
+from kernels.int4_gemm import _int4_gemv_kernel, _nibbles  # noqa: E402
+
+PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+GROUP = 128
+
+
+@triton.jit
+def _gemv_tile_sum_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    N,
+    K,
+    group_size,
+    k_per_split,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """One row: out (+)= x[split] @ W[split]; a tile of BLOCK_R packed rows lies in one group."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    shifts = tl.arange(0, 8) * 4
+    r_start = pid_k * (k_per_split // 8)
+    r_end = tl.minimum(r_start + k_per_split // 8, tl.cdiv(K, 8))
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(r_start, r_end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        packed = tl.load(
+            qw_ptr + r.to(tl.int64)[:, None] * N + cols[None, :],
+            mask=(r < r_end)[:, None] & col_mask[None, :],
+            other=0,
+        )
+        k = r[:, None] * 8 + tl.arange(0, 8)[None, :]
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_R, 8]
+        q = _nibbles(packed[:, None, :], shifts[None, :, None])  # [BLOCK_R, 8, BLOCK_N]
+        dot = tl.sum(tl.sum(x[:, :, None] * q, axis=1), axis=0)
+        g = ((r0 * 8) // group_size).to(tl.int64) * N + cols
+        scale = tl.load(s_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
+        acc += scale * (dot - zero * tl.sum(tl.sum(x, axis=1), axis=0))
+    if SPLIT_K:
+        tl.atomic_add(out_ptr + cols, acc, mask=col_mask)
+    else:
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def run_current_sweep(x, qw, s, z, n, k, block_n, block_r, warps, stages, splits):
+    tile_k = 8 * block_r
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), tile_k) * tile_k
+    splits = triton.cdiv(k, k_per_split)
+    dtype = torch.float32 if splits > 1 else x.dtype
+    out = torch.zeros(1, n, dtype=dtype, device=x.device)
+    _int4_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        x, qw, s, z, out, 1, n, k, GROUP, k_per_split,
+        BLOCK_M=1, BLOCK_N=block_n, BLOCK_R=block_r, GROUP_PER_TILE=GROUP % tile_k == 0,
+        SPLIT_K=splits > 1, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def run_tile_sum(x, qw, s, z, n, k, block_n, block_r, warps, stages, splits):
+    tile_k = 8 * block_r
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), GROUP) * GROUP
+    splits = triton.cdiv(k, k_per_split)
+    assert GROUP % tile_k == 0
+    dtype = torch.float32 if splits > 1 else x.dtype
+    out = torch.zeros(1, n, dtype=dtype, device=x.device)
+    _gemv_tile_sum_kernel[(triton.cdiv(n, block_n), splits)](
+        x, qw, s, z, out, n, k, GROUP, k_per_split,
+        BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=splits > 1,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+
+def sweep_shape(n: int, k: int, copy_bps: float) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randint(0, 16, (k, n), device="cuda", generator=gen)
+    qw = pack_int4(q, 0)
+    s = (torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.02).bfloat16()
+    z = torch.full((k // GROUP, n), 8.0, device="cuda").bfloat16()
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    ref = x.float() @ dequantize_int4(qw, s, z, GROUP, k)
+    weight_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
+    w16 = torch.randn(n, k, device="cuda", generator=gen).bfloat16()
+    bf16_ms = time_ms(lambda: kernels.gemv(x, w16))
+    rows = []
+
+    def record(name, config, fn):
+        try:
+            out = fn().float()
+        except Exception as error:  # a config past the register or shared-memory limit
+            rows.append({"kernel": name, **config, "error": str(error)[:200]})
+            return
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        ms = time_ms(fn)
+        rows.append({
+            "kernel": name, **config, "ms": ms, "max_rel_err": err,
+            "of_copy_bandwidth": weight_bytes / (ms * 1e-3) / copy_bps,
+            "speedup_over_bf16_gemv": bf16_ms / ms,
+        })  # fmt: skip
+
+    record("int4_gemm", {}, lambda: kernels.int4_gemm(x, qw, s, z, GROUP))
+    for block_n, block_r, warps, stages, splits in itertools.product(
+        (64, 128, 256), (8, 16), (2, 4, 8), (1, 3), (1, 2, 4)
+    ):
+        config = dict(block_n=block_n, block_r=block_r, warps=warps, stages=stages, splits=splits)
+        args = (x, qw, s, z, n, k, block_n, block_r, warps, stages, splits)
+        record("tile_sum", config, lambda a=args: run_tile_sum(*a))
+    for block_n, block_r, warps, splits in itertools.product(
+        (64, 128), (8, 16, 32), (4, 8), (1, 4)
+    ):
+        config = dict(block_n=block_n, block_r=block_r, warps=warps, stages=1, splits=splits)
+        args = (x, qw, s, z, n, k, block_n, block_r, warps, 1, splits)
+        record("current_sweep", config, lambda a=args: run_current_sweep(*a))
+    ok = [r for r in rows if "ms" in r and r["max_rel_err"] < 2e-2]
+    best = {name: min((r for r in ok if r["kernel"] == name), key=lambda r: r["ms"], default=None)
+            for name in ("int4_gemm", "tile_sum", "current_sweep")}  # fmt: skip
+    return {"n": n, "k": k, "weight_bytes": weight_bytes, "bf16_gemv_ms": bf16_ms,
+            "bf16_of_copy_bandwidth": n * k * 2 / (bf16_ms * 1e-3) / copy_bps,
+            "best": best, "rows": rows}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    copy_bps = copy_bandwidth()
+    shapes = []
+    for n, k in PROJECTIONS:
+        shapes.append(sweep_shape(n, k, copy_bps))
+        for name, row in shapes[-1]["best"].items():
+            if row:
+                print(f"{n}x{k} {name}: {row['ms'] * 1e3:.1f} us, "
+                      f"{row['of_copy_bandwidth']:.0%} of copy, {row['speedup_over_bf16_gemv']:.2f}x "
+                      f"bf16 gemv {row}")  # fmt: skip
+    result = {
+        "benchmark": "int4_gemv_sweep",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python"] + sys.argv),
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "copy_bytes_per_s": copy_bps,
+        "group_size": GROUP,
+        "shapes": shapes,
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
