@@ -7,7 +7,8 @@ one mode's memory never crowds the next):
   decode   batch-1 decode (128-token prompt, 256 tokens) per mode, tokens/s against the floor of
            reading the weights once per token at the copy bandwidth; the issue asks FP8 >= 1.7x
            and 4-bit >= 2.5x bf16
-  kernels  the projections' GEMMs alone at 1 and 256 rows: bf16 (kernels.gemv at one row,
+  kernels  the projections' GEMMs alone at 1 and 256 rows, replayed in CUDA graphs as decode
+           runs them (no Python launch cost): bf16 (kernels.gemv at one row,
            cuBLAS else), FP8 as its layer runs it (kernels.gemv over e4m3 at one row, else
            kernels.quantize_fp8 then torch._scaled_mm, row-wise scales), 4-bit (kernels.int4_gemm),
            each as bytes of weights read per second against the copy bandwidth; and decode
@@ -112,7 +113,7 @@ def weight_bytes(mode: str) -> float:
 
 
 def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median")
 
 
 def time_kernels() -> list[dict]:

@@ -286,7 +286,8 @@ def test_cuda_fp8_and_int4_layers_equal_their_dequantized_weights(rows: int) -> 
     x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
     with torch.device("cuda"):
         fp8 = make_layer(get_quantization_config(None, "fp8"), k, sizes, torch.bfloat16)
-    fp8.weight_loader(fp8.weight, w.bfloat16().cuda())
+    for shard_id, shard in enumerate(w.bfloat16().cuda().split(sizes)):
+        fp8.weight_loader(fp8.weight, shard, shard_id)
     fp8.quant_method.process_weights_after_loading(fp8)
     dequantized = fp8.weight.float() * fp8.weight_scale.view(-1, 1)
     seen = x.float() if rows == 1 else per_token_fp8(x.float())  # one row: 16-bit x (GEMV)

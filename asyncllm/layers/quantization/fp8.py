@@ -209,7 +209,10 @@ def quantize_activations(
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 x, fp32 scales [rows, 1]) with x ~ q * scale, each row's max mapped to FP8_MAX."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    # a tensor divisor: CUDA divides by a Python number as a multiply by its reciprocal, which
+    # rounds differently from the division kernels.quantize_fp8 does (and the CPU)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
     return quantize_with_scale(x, scale), scale
 
 
