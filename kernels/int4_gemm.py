@@ -6,11 +6,10 @@ Both kernels load each packed word once and widen its nibbles without an integer
 conversion (which issues at a sixteenth of the FMA rate): OR-ing q into the mantissa of 2^23
 gives the float 2^23 + q exactly, and one subtraction leaves q.
 
-Batches of up to GEMV_MAX_ROWS rows (decode) sum x * q without tensor cores for all rows at
-once, so W is read once whatever the rows; the zero point and scale come in once per packed
-row and column, as s * (sum x * q - z * sum x), and the sum over K waits until the end. K is
-split over programs (their sums added atomically in fp32) where N alone would not fill the
-GPU. Larger batches unpack a [BLOCK_K, BLOCK_N] tile of W to the activations' dtype for a
+Batches of up to GEMV_MAX_ROWS rows (decode) sum x * q without tensor cores, each tile of W
+widened once for all rows, so W is read once whatever the rows; a tile lies inside one group,
+so its zero point and scale come in once, as s * (sum x * q - z * sum x). K is split in up to
+four parts, their sums added atomically in fp32. Larger batches unpack a [BLOCK_K, BLOCK_N] tile of W to the activations' dtype for a
 tensor-core dot.
 """
 
@@ -20,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, next_pow2, num_sms
+from kernels._common import dot_precision, next_pow2
 
 # rows at or below which the GEMV kernel runs
 GEMV_MAX_ROWS = 4
@@ -100,56 +99,43 @@ def _int4_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    GROUP_PER_TILE: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    """out += x[:, split] @ W[split] for all M rows (SPLIT_K: out fp32 and zeroed, else out =
-    x @ W in its dtype); BLOCK_R packed rows (8 * BLOCK_R of K) at a time. GROUP_PER_TILE:
-    every tile lies in one group (one scale row)."""
+    """out (+)= x[:, split] @ W[split] for the M rows (SPLIT_K: out fp32 and zeroed, else
+    out = x @ W in its dtype), BLOCK_R packed rows (8 * BLOCK_R of K, inside one group) a tile:
+    each tile's nibbles widened once for every row, its sum taken at once."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     m = tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    packed_rows = tl.cdiv(K, 8)
+    shifts = tl.arange(0, 8) * 4
     r_start = pid_k * (k_per_split // 8)
-    r_end = tl.minimum(r_start + k_per_split // 8, packed_rows)
-    acc = tl.zeros((BLOCK_M, BLOCK_R, BLOCK_N), dtype=tl.float32)
+    r_end = tl.minimum(r_start + k_per_split // 8, tl.cdiv(K, 8))
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(r_start, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = r < r_end
         packed = tl.load(
             qw_ptr + r.to(tl.int64)[:, None] * N + cols[None, :],
-            mask=r_mask[:, None] & col_mask[None, :],
+            mask=(r < r_end)[:, None] & col_mask[None, :],
             other=0,
         )
-        dot = tl.zeros((BLOCK_M, BLOCK_R, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for j in tl.static_range(8):
-            k = r * 8 + j
-            x = tl.load(
-                x_ptr + m[:, None] * K + k[None, :],
-                mask=m_mask[:, None] & (r_mask & (k < K))[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            dot += x[:, :, None] * _nibbles(packed, 4 * j)[None, :, :]
-            x_sum += x
-        if GROUP_PER_TILE:
-            g = ((r0 * 8) // group_size).to(tl.int64) * N + cols
-            scale = tl.load(s_ptr + g, mask=col_mask, other=0.0).to(tl.float32)[None, None, :]
-            zero = tl.load(z_ptr + g, mask=col_mask, other=0.0).to(tl.float32)[None, None, :]
-        else:
-            g = ((r * 8) // group_size).to(tl.int64)[:, None] * N + cols[None, :]
-            mask = r_mask[:, None] & col_mask[None, :]
-            scale = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)[None, :, :]
-            zero = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)[None, :, :]
-        acc += scale * (dot - zero * x_sum[:, :, None])
+        q = _nibbles(packed[:, None, :], shifts[None, :, None])  # [BLOCK_R, 8, BLOCK_N]
+        g = ((r0 * 8) // group_size).to(tl.int64) * N + cols
+        scale = tl.load(s_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
+        k = r[:, None] * 8 + tl.arange(0, 8)[None, :]
+        for i in tl.static_range(BLOCK_M):
+            mask = (k < K) & (k * 0 + i < M)
+            x = tl.load(x_ptr + i * K + k, mask=mask, other=0.0).to(tl.float32)
+            dot = tl.sum(tl.sum(x[:, :, None] * q, axis=1), axis=0)
+            row = scale * (dot - zero * tl.sum(tl.sum(x, axis=1), axis=0))
+            acc += tl.where(m[:, None] == i, row[None, :], 0.0)
     out_ptrs = out_ptr + m[:, None] * N + cols[None, :]
-    out_mask = m_mask[:, None] & col_mask[None, :]
+    out_mask = (m < M)[:, None] & col_mask[None, :]
     if SPLIT_K:
-        tl.atomic_add(out_ptrs, tl.sum(acc, axis=1), mask=out_mask)
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
     else:
-        tl.store(out_ptrs, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def int4_gemm(
@@ -194,23 +180,19 @@ def int4_gemm(
 
 def _gemv(x, qweight, scales, zeros, group_size):
     (m, k), n = x.shape, qweight.shape[1]
-    block_m = next_pow2(m)
-    block_n, block_r = 64, 32 if block_m <= 2 else 16
+    # 16 packed rows (128 of K) a tile, fewer where the group is smaller: a tile takes one
+    # scale row; 64 columns, K in 4 parts and 2 warps were fastest on the H200 for all four
+    # Llama-3.1-8B projections (bench/results/int4_gemv_sweep_h200.json)
+    block_r = min(16, (group_size // 8) & -(group_size // 8))
     tile_k = 8 * block_r
-    column_blocks = triton.cdiv(n, block_n)
-    # enough programs for about four per SM, each over a whole number of tiles; none split
-    # where the columns alone make two per SM, so that one launch (no zeroing, no cast) does
-    sms = num_sms(x.device)
-    splits = max(1, min(triton.cdiv(4 * sms, column_blocks), triton.cdiv(k, 512)))
-    if column_blocks >= 2 * sms:
-        splits = 1
+    splits = min(4, triton.cdiv(k, tile_k))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), tile_k) * tile_k
     splits = triton.cdiv(k, k_per_split)
     if splits > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _int4_gemv_kernel[(column_blocks, splits)](
+    _int4_gemv_kernel[(triton.cdiv(n, 64), splits)](
         x,
         qweight,
         scales,
@@ -221,11 +203,11 @@ def _gemv(x, qweight, scales, zeros, group_size):
         k,
         group_size,
         k_per_split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=next_pow2(m),
+        BLOCK_N=64,
         BLOCK_R=block_r,
-        GROUP_PER_TILE=group_size % tile_k == 0,
         SPLIT_K=splits > 1,
-        num_warps=4,
+        num_warps=2,
+        num_stages=3,
     )
     return out.to(x.dtype)
