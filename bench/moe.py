@@ -203,6 +203,8 @@ def offline(args) -> dict:
         async_scheduling=None,
         profile_steps=False,
         single_stream=True,
+        tensor_parallel_size=1,
+        disable_tqdm=True,
     )
     ours = run_asyncllm(str(path), workload, run_args)
     floor_tokens_per_s = output_tokens / floor["total_s"]
