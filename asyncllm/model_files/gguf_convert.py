@@ -1,4 +1,5 @@
-"""Convert a llama-architecture GGUF file into a cached Hugging Face model folder.
+"""Convert a llama-architecture GGUF file (or a MoE one: model_files.gguf_moe) into a cached
+Hugging Face model folder.
 
 The folder holds config.json, generation_config.json (with the sampling settings the caller
 recommends for the model, which a GGUF file does not carry), the tokenizer files (with the chat
@@ -24,10 +25,19 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
+from asyncllm.model_files.gguf_moe import (
+    applies_llama_rope_permutation,
+    check_expert_tensors,
+    moe_config,
+    moe_layer_tensor,
+    stack_split_tensors,
+)
+
 # Bump when the folder layout or contents change, so stale cached folders are not reused.
 CONVERTER_VERSION = 1
 CACHE_ENV_VAR = "ASYNCLLM_CACHE_DIR"
 
+_ARCHITECTURES = ("llama", "qwen3moe", "deepseek2")
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -79,6 +89,7 @@ class GGUFModelInfo:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     chat_template: str | None
+    architecture: str = "llama"
 
 
 def convert_gguf(
@@ -136,36 +147,54 @@ def make_shareable(folder: Path) -> None:
 def write_hf_folder(gguf_path: Path, out: Path, sampling: dict[str, Any]) -> None:
     reader = GGUFReader(gguf_path)
     info = read_model_info(reader)
+    config = moe_config(info.architecture, arch_metadata(reader, info), hf_config(info))
+    check_expert_tensors(tensor_shapes(reader), config)
     write_weights(reader, info, out / "model.safetensors")
-    write_json(out / "config.json", hf_config(info))
+    write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {**generation_config(info), **sampling})
     write_tokenizer(reader, info, gguf_path, out)
 
 
 def read_model_info(reader: GGUFReader) -> GGUFModelInfo:
     arch = field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' converts")
-    hidden = int(field(reader, "llama.embedding_length"))
-    heads = int(field(reader, "llama.attention.head_count"))
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: {', '.join(_ARCHITECTURES)}")
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    heads = int(field(reader, f"{arch}.attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
     return GGUFModelInfo(
         hidden_size=hidden,
-        num_layers=int(field(reader, "llama.block_count")),
+        num_layers=int(field(reader, f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, "llama.attention.key_length", hidden // heads)),
-        intermediate_size=int(field(reader, "llama.feed_forward_length")),
-        rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        context_length=int(field(reader, "llama.context_length")),
-        vocab_size=vocab_size(reader),
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        context_length=int(field(reader, f"{arch}.context_length")),
+        vocab_size=vocab_size(reader, arch),
         tied_embeddings="output.weight" not in tensor_names,
         bos_token_id=optional_int(field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_ids=eos_token_ids(reader),
         pad_token_id=optional_int(field(reader, "tokenizer.ggml.padding_token_id", None)),
         chat_template=field(reader, "tokenizer.chat_template", None),
+        architecture=arch,
     )
+
+
+def arch_metadata(reader: GGUFReader, info: GGUFModelInfo) -> dict[str, Any]:
+    """The file's `{arch}.` fields, prefix removed."""
+    prefix = f"{info.architecture}."
+    return {
+        key.removeprefix(prefix): value.contents()
+        for key, value in reader.fields.items()
+        if key.startswith(prefix)
+    }
+
+
+def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+    # GGUF lists a tensor's dimensions innermost first
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
 
 
 _MISSING = object()
@@ -183,9 +212,9 @@ def optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def vocab_size(reader: GGUFReader) -> int:
-    if "llama.vocab_size" in reader.fields:
-        return int(field(reader, "llama.vocab_size"))
+def vocab_size(reader: GGUFReader, arch: str) -> int:
+    if f"{arch}.vocab_size" in reader.fields:
+        return int(field(reader, f"{arch}.vocab_size"))
     return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
@@ -208,6 +237,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and (moe := moe_layer_tensor(parts[2], suffix)):
+        return f"model.layers.{parts[1]}.{moe}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -221,13 +252,15 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_weights(reader: GGUFReader, info: GGUFModelInfo, path: Path) -> None:
     tensors: dict[str, np.ndarray] = {}
+    permuted = applies_llama_rope_permutation(info.architecture)
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors", unit="tensor"):
         weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+        if permuted and tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
             weight = unpermute_rotary(weight, info.num_heads)
-        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+        elif permuted and tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
             weight = unpermute_rotary(weight, info.num_kv_heads)
         tensors[hf_tensor_name(tensor.name)] = np.ascontiguousarray(weight)
+    stack_split_tensors(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 

@@ -1,0 +1,223 @@
+"""GGUF files of tiny random Mixtral, Qwen3-MoE and DeepSeek-V2 models, written as llama.cpp's
+converter writes them (merged experts, Mixtral's Q/K rows permuted, DeepSeek's kv_b split into
+k_b and v_b), converted and loaded, against Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf.quants import dequantize, quantize
+from test_gguf_convert import add_synthetic_tokenizer, llama_cpp_permute, synthetic_vocab
+from test_moe_models import CONFIGS, DEEPSEEK, TINY, YARN, kv_caches, metadata
+
+from asyncllm.attention.torch_backend import TorchAttentionBackend
+from asyncllm.model_files.gguf_convert import convert_gguf
+from asyncllm.models.loader import iter_safetensors
+from asyncllm.models.registry import get_model_class
+
+VOCAB = len(synthetic_vocab())
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+MODELS = {
+    "mixtral": ("llama", CONFIGS["mixtral"][0], CONFIGS["mixtral"][1]),
+    # llama.cpp's qwen3moe routes every layer
+    "qwen3_moe": (
+        "qwen3moe",
+        transformers.Qwen3MoeConfig,
+        dict(CONFIGS["qwen3_moe_dense_layer"][1], mlp_only_layers=[], tie_word_embeddings=True),
+    ),
+    # llama.cpp keeps one yarn mscale, so mscale and mscale_all_dim are equal (as in V2-Lite)
+    "deepseek_v2": (
+        "deepseek2",
+        transformers.DeepseekV2Config,
+        dict(
+            DEEPSEEK,
+            q_lora_rank=24,
+            n_group=3,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=2.5,
+            rope_parameters=YARN,
+        ),
+    ),
+}
+
+
+def make_hf(name: str) -> tuple[str, transformers.PreTrainedModel]:
+    arch, config_class, extra = MODELS[name]
+    config = config_class(**{**TINY, **extra, "vocab_size": VOCAB})
+    config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return arch, hf.eval()
+
+
+def quantize_experts(hf: transformers.PreTrainedModel) -> None:
+    """Round each gate_up_proj through Q8_0, so that HF runs the weights the GGUF holds."""
+    with torch.no_grad():
+        for module_name, param in hf.named_parameters():
+            if module_name.endswith("experts.gate_up_proj"):
+                q = quantize(param.numpy(), Q8_0)
+                param.copy_(torch.from_numpy(dequantize(q, Q8_0)))
+
+
+def write_metadata(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+    """The fields llama.cpp's converter writes for these configs."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if config.model_type == "mixtral":
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_expert_count(config.num_local_experts)
+    elif config.model_type == "qwen3_moe":
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_expert_count(config.num_experts)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    else:
+        write_deepseek_metadata(writer, config)
+    add_synthetic_tokenizer(writer, synthetic_vocab())
+
+
+def write_deepseek_metadata(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+    rope = config.rope_parameters
+    writer.add_head_count_kv(1)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    writer.add_value_length(config.kv_lora_rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def gguf_tensors(arch: str, hf: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+    """HF's state dict under llama.cpp's names and layout, through the gguf package's own map."""
+    config = hf.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    tensors: dict[str, np.ndarray] = {}
+
+    def add(hf_name: str, tensor: np.ndarray) -> None:
+        tensors[names.get_name(hf_name.removesuffix(".weight")) + ".weight"] = tensor
+
+    for hf_name, param in hf.state_dict().items():
+        tensor = param.numpy()
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if arch == "llama" and ".q_proj." in hf_name:
+            tensor = llama_cpp_permute(tensor, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            tensor = llama_cpp_permute(tensor, config.num_key_value_heads)
+        if hf_name.endswith("experts.gate_up_proj"):
+            gate, up = np.split(tensor, 2, axis=1)
+            add(hf_name.replace("gate_up_proj", "gate_proj"), gate)
+            add(hf_name.replace("gate_up_proj", "up_proj"), up)
+        elif hf_name.endswith("kv_b_proj.weight"):
+            heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+            kv_b = tensor.reshape(heads, nope + config.v_head_dim, -1)
+            add(hf_name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :nope].swapaxes(1, 2))
+            add(hf_name.replace("kv_b_proj", "v_b_proj"), kv_b[:, nope:])
+        else:
+            add(hf_name, tensor)
+    return tensors
+
+
+def write_gguf(path: Path, arch: str, hf: transformers.PreTrainedModel, **replace) -> Path:
+    """`replace`: GGUF tensor name -> array to write instead (None: leave the tensor out)."""
+    writer = gguf.GGUFWriter(path, arch)
+    write_metadata(writer, hf.config)
+    for name, tensor in {**gguf_tensors(arch, hf), **replace}.items():
+        if tensor is None:
+            continue
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            writer.add_tensor(name, quantize(tensor, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def load_ours(folder: Path) -> torch.nn.Module:
+    config = transformers.AutoConfig.from_pretrained(folder)
+    ours = get_model_class(config)(config, TorchAttentionBackend()).eval()
+    loaded = ours.load_weights(iter_safetensors(folder))
+    assert loaded == {name for name, _ in ours.named_parameters()}
+    return ours
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def converted(request, tmp_path_factory) -> tuple[transformers.PreTrainedModel, Path]:
+    arch, hf = make_hf(request.param)
+    quantize_experts(hf)
+    root = tmp_path_factory.mktemp(request.param)
+    folder = convert_gguf(write_gguf(root / "tiny.gguf", arch, hf), cache_root=root / "cache")
+    return hf, folder
+
+
+@torch.inference_mode()
+def test_logits_match_hf(converted: tuple[transformers.PreTrainedModel, Path]) -> None:
+    hf, folder = converted
+    ours = load_ours(folder)
+    ids = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(1))
+    hidden = ours(ids, torch.arange(21), kv_caches(ours), metadata([(0, 21)], [list(range(6))]))
+    expected = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_config_comes_from_metadata(converted: tuple[transformers.PreTrainedModel, Path]) -> None:
+    hf, folder = converted
+    config = transformers.AutoConfig.from_pretrained(folder)
+    keys = {
+        "mixtral": ["num_local_experts", "num_experts_per_tok", "intermediate_size"],
+        "qwen3_moe": ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "head_dim"],
+        "deepseek_v2": [
+            *("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "q_lora_rank"),
+            *("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "first_k_dense_replace"),
+            *("n_group", "topk_group", "topk_method", "num_key_value_heads"),
+        ],
+    }[hf.config.model_type]
+    for key in [*keys, "architectures", "hidden_size", "num_hidden_layers", "tie_word_embeddings"]:
+        assert getattr(config, key) == getattr(hf.config, key), key
+    assert config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_missing_expert_tensor_is_named(name: str, tmp_path: Path) -> None:
+    arch, hf = make_hf(name)
+    path = write_gguf(tmp_path / "t.gguf", arch, hf, **{"blk.1.ffn_up_exps.weight": None})
+    with pytest.raises(ValueError, match=r"lacks the expert tensor blk\.1\.ffn_up_exps\.weight"):
+        convert_gguf(path, cache_root=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v2"])
+def test_misshaped_expert_tensor_is_named(name: str, tmp_path: Path) -> None:
+    arch, hf = make_hf(name)
+    down = gguf_tensors(arch, hf)["blk.2.ffn_down_exps.weight"]
+    transposed = {"blk.2.ffn_down_exps.weight": down.swapaxes(1, 2)}
+    path = write_gguf(tmp_path / "t.gguf", arch, hf, **transposed)
+    with pytest.raises(ValueError, match=r"blk\.2\.ffn_down_exps\.weight has shape"):
+        convert_gguf(path, cache_root=tmp_path / "cache")
