@@ -4,6 +4,7 @@ k_b and v_b), converted and loaded, against Hugging Face transformers on the sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -12,16 +13,19 @@ import pytest
 import torch
 import transformers
 from gguf.quants import dequantize, quantize
+from test_engine_matches_hf import hf_greedy
 from test_gguf_convert import add_synthetic_tokenizer, llama_cpp_permute, synthetic_vocab
 from test_moe_models import CONFIGS, DEEPSEEK, TINY, YARN, kv_caches, metadata
 
+from asyncllm import LLM, SamplingParams
 from asyncllm.attention.torch_backend import TorchAttentionBackend
-from asyncllm.model_files.gguf_convert import convert_gguf
+from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, convert_gguf
 from asyncllm.models.loader import iter_safetensors
 from asyncllm.models.registry import get_model_class
 
 VOCAB = len(synthetic_vocab())
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+NEW_TOKENS = 6
 MODELS = {
     "mixtral": ("llama", CONFIGS["mixtral"][0], CONFIGS["mixtral"][1]),
     # llama.cpp's qwen3moe routes every layer
@@ -44,16 +48,30 @@ MODELS = {
             rope_parameters=YARN,
         ),
     ),
+    # V2-Lite as llama.cpp wrote it before its MLA rewrite: kv_b whole, per-head key/value
+    # lengths, no expert groups
+    "deepseek_v2_lite_legacy": (
+        "deepseek2",
+        transformers.DeepseekV2Config,
+        dict(DEEPSEEK, q_lora_rank=None, rope_parameters=YARN),
+    ),
 }
 
 
-def make_hf(name: str) -> tuple[str, transformers.PreTrainedModel]:
+@dataclass
+class Tiny:
+    arch: str  # the GGUF's general.architecture
+    hf: transformers.PreTrainedModel
+    legacy: bool  # llama.cpp's layout before its MLA rewrite
+
+
+def make_tiny(name: str) -> Tiny:
     arch, config_class, extra = MODELS[name]
-    config = config_class(**{**TINY, **extra, "vocab_size": VOCAB})
+    config = config_class(**{**TINY, **extra, "vocab_size": VOCAB}, bos_token_id=1, eos_token_id=2)
     config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    return arch, hf.eval()
+    return Tiny(arch, hf.eval(), name.endswith("_legacy"))
 
 
 def quantize_experts(hf: transformers.PreTrainedModel) -> None:
@@ -65,7 +83,9 @@ def quantize_experts(hf: transformers.PreTrainedModel) -> None:
                 param.copy_(torch.from_numpy(dequantize(q, Q8_0)))
 
 
-def write_metadata(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+def write_metadata(
+    writer: gguf.GGUFWriter, config: transformers.PretrainedConfig, legacy: bool
+) -> None:
     """The fields llama.cpp's converter writes for these configs."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -85,26 +105,33 @@ def write_metadata(writer: gguf.GGUFWriter, config: transformers.PretrainedConfi
         writer.add_value_length(config.head_dim)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     else:
-        write_deepseek_metadata(writer, config)
+        write_deepseek_metadata(writer, config, legacy)
     add_synthetic_tokenizer(writer, synthetic_vocab())
 
 
-def write_deepseek_metadata(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+def write_deepseek_metadata(
+    writer: gguf.GGUFWriter, config: transformers.PretrainedConfig, legacy: bool
+) -> None:
     rope = config.rope_parameters
     writer.add_head_count_kv(1)
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
-    writer.add_q_lora_rank(config.q_lora_rank)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
     writer.add_kv_lora_rank(config.kv_lora_rank)
-    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
-    writer.add_value_length(config.kv_lora_rank)
-    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
-    writer.add_value_length_mla(config.v_head_dim)
+    if legacy:
+        writer.add_key_length(config.qk_nope_head_dim + config.qk_rope_head_dim)
+        writer.add_value_length(config.v_head_dim)
+    else:
+        writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+        writer.add_value_length(config.kv_lora_rank)
+        writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_count(config.n_routed_experts)
     writer.add_expert_shared_count(config.n_shared_experts)
     writer.add_expert_weights_scale(config.routed_scaling_factor)
-    writer.add_expert_group_count(config.n_group)
-    writer.add_expert_group_used_count(config.topk_group)
     writer.add_rope_dimension_count(config.qk_rope_head_dim)
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
@@ -112,16 +139,16 @@ def write_deepseek_metadata(writer: gguf.GGUFWriter, config: transformers.Pretra
     writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
-def gguf_tensors(arch: str, hf: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+def gguf_tensors(tiny: Tiny) -> dict[str, np.ndarray]:
     """HF's state dict under llama.cpp's names and layout, through the gguf package's own map."""
-    config = hf.config
+    arch, config = tiny.arch, tiny.hf.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     tensors: dict[str, np.ndarray] = {}
 
     def add(hf_name: str, tensor: np.ndarray) -> None:
         tensors[names.get_name(hf_name.removesuffix(".weight")) + ".weight"] = tensor
 
-    for hf_name, param in hf.state_dict().items():
+    for hf_name, param in tiny.hf.state_dict().items():
         tensor = param.numpy()
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -133,7 +160,7 @@ def gguf_tensors(arch: str, hf: transformers.PreTrainedModel) -> dict[str, np.nd
             gate, up = np.split(tensor, 2, axis=1)
             add(hf_name.replace("gate_up_proj", "gate_proj"), gate)
             add(hf_name.replace("gate_up_proj", "up_proj"), up)
-        elif hf_name.endswith("kv_b_proj.weight"):
+        elif hf_name.endswith("kv_b_proj.weight") and not tiny.legacy:
             heads, nope = config.num_attention_heads, config.qk_nope_head_dim
             kv_b = tensor.reshape(heads, nope + config.v_head_dim, -1)
             add(hf_name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :nope].swapaxes(1, 2))
@@ -143,11 +170,11 @@ def gguf_tensors(arch: str, hf: transformers.PreTrainedModel) -> dict[str, np.nd
     return tensors
 
 
-def write_gguf(path: Path, arch: str, hf: transformers.PreTrainedModel, **replace) -> Path:
+def write_gguf(path: Path, tiny: Tiny, **replace: np.ndarray | None) -> Path:
     """`replace`: GGUF tensor name -> array to write instead (None: leave the tensor out)."""
-    writer = gguf.GGUFWriter(path, arch)
-    write_metadata(writer, hf.config)
-    for name, tensor in {**gguf_tensors(arch, hf), **replace}.items():
+    writer = gguf.GGUFWriter(path, tiny.arch)
+    write_metadata(writer, tiny.hf.config, tiny.legacy)
+    for name, tensor in {**gguf_tensors(tiny), **replace}.items():
         if tensor is None:
             continue
         if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
@@ -171,11 +198,11 @@ def load_ours(folder: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def converted(request, tmp_path_factory) -> tuple[transformers.PreTrainedModel, Path]:
-    arch, hf = make_hf(request.param)
-    quantize_experts(hf)
+    tiny = make_tiny(request.param)
+    quantize_experts(tiny.hf)
     root = tmp_path_factory.mktemp(request.param)
-    folder = convert_gguf(write_gguf(root / "tiny.gguf", arch, hf), cache_root=root / "cache")
-    return hf, folder
+    folder = convert_gguf(write_gguf(root / "tiny.gguf", tiny), cache_root=root / "cache")
+    return tiny.hf, folder
 
 
 @torch.inference_mode()
@@ -207,17 +234,33 @@ def test_config_comes_from_metadata(converted: tuple[transformers.PreTrainedMode
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_missing_expert_tensor_is_named(name: str, tmp_path: Path) -> None:
-    arch, hf = make_hf(name)
-    path = write_gguf(tmp_path / "t.gguf", arch, hf, **{"blk.1.ffn_up_exps.weight": None})
+    path = write_gguf(tmp_path / "t.gguf", make_tiny(name), **{"blk.1.ffn_up_exps.weight": None})
     with pytest.raises(ValueError, match=r"lacks the expert tensor blk\.1\.ffn_up_exps\.weight"):
         convert_gguf(path, cache_root=tmp_path / "cache")
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v2"])
 def test_misshaped_expert_tensor_is_named(name: str, tmp_path: Path) -> None:
-    arch, hf = make_hf(name)
-    down = gguf_tensors(arch, hf)["blk.2.ffn_down_exps.weight"]
+    tiny = make_tiny(name)
+    down = gguf_tensors(tiny)["blk.2.ffn_down_exps.weight"]
     transposed = {"blk.2.ffn_down_exps.weight": down.swapaxes(1, 2)}
-    path = write_gguf(tmp_path / "t.gguf", arch, hf, **transposed)
+    path = write_gguf(tmp_path / "t.gguf", tiny, **transposed)
     with pytest.raises(ValueError, match=r"blk\.2\.ffn_down_exps\.weight has shape"):
         convert_gguf(path, cache_root=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v2"])
+def test_engine_serves_the_gguf_as_hf_greedy(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The .gguf path itself, through the engine (its loader and KV cache), batched."""
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
+    tiny = make_tiny(name)
+    quantize_experts(tiny.hf)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (5 + 4 * i,), generator=gen).tolist() for i in range(3)]
+    llm = LLM(model=str(write_gguf(tmp_path / "tiny.gguf", tiny)), max_model_len=64, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
