@@ -1,9 +1,11 @@
 """GGUF files of tiny random Mixtral, Qwen3-MoE and DeepSeek-V2 models, written as llama.cpp's
 converter writes them (merged experts, Mixtral's Q/K rows permuted, DeepSeek's kv_b split into
-k_b and v_b), converted and loaded, against Hugging Face transformers on the same weights."""
+k_b and v_b) and as its older versions did (Mixtral's experts one tensor each, DeepSeek's kv_b
+whole), converted and loaded, against Hugging Face transformers on the same weights."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ NEW_TOKENS = 6
 MODELS = {
     "mixtral": ("llama", CONFIGS["mixtral"][0], CONFIGS["mixtral"][1]),
     # llama.cpp's qwen3moe routes every layer
+    "mixtral_legacy": ("llama", CONFIGS["mixtral"][0], CONFIGS["mixtral"][1]),
     "qwen3_moe": (
         "qwen3moe",
         transformers.Qwen3MoeConfig,
@@ -62,7 +65,7 @@ MODELS = {
 class Tiny:
     arch: str  # the GGUF's general.architecture
     hf: transformers.PreTrainedModel
-    legacy: bool  # llama.cpp's layout before its MLA rewrite
+    legacy: bool  # llama.cpp's older layout: split experts (Mixtral), kv_b whole (DeepSeek)
 
 
 def make_tiny(name: str) -> Tiny:
@@ -160,6 +163,8 @@ def gguf_tensors(tiny: Tiny) -> dict[str, np.ndarray]:
             gate, up = np.split(tensor, 2, axis=1)
             add(hf_name.replace("gate_up_proj", "gate_proj"), gate)
             add(hf_name.replace("gate_up_proj", "up_proj"), up)
+        elif hf_name.endswith("experts.down_proj"):
+            add(hf_name, tensor)
         elif hf_name.endswith("kv_b_proj.weight") and not tiny.legacy:
             heads, nope = config.num_attention_heads, config.qk_nope_head_dim
             kv_b = tensor.reshape(heads, nope + config.v_head_dim, -1)
@@ -167,7 +172,19 @@ def gguf_tensors(tiny: Tiny) -> dict[str, np.ndarray]:
             add(hf_name.replace("kv_b_proj", "v_b_proj"), kv_b[:, nope:])
         else:
             add(hf_name, tensor)
-    return tensors
+    return split_experts(tensors) if tiny.legacy and arch == "llama" else tensors
+
+
+def split_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Mixtral as llama.cpp wrote it before April 2024: blk.N.ffn_gate.E, one per expert."""
+    split = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_exps.weight"):
+            stem = name.removesuffix("_exps.weight")
+            split |= {f"{stem}.{e}.weight": expert for e, expert in enumerate(tensor)}
+        else:
+            split[name] = tensor
+    return split
 
 
 def write_gguf(path: Path, tiny: Tiny, **replace: np.ndarray | None) -> Path:
@@ -177,7 +194,7 @@ def write_gguf(path: Path, tiny: Tiny, **replace: np.ndarray | None) -> Path:
     for name, tensor in {**gguf_tensors(tiny), **replace}.items():
         if tensor is None:
             continue
-        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+        if re.fullmatch(r"blk\.\d+\.ffn_(gate|up)(_exps|\.\d+)\.weight", name):
             writer.add_tensor(name, quantize(tensor, Q8_0), raw_dtype=Q8_0)
         else:
             writer.add_tensor(name, np.ascontiguousarray(tensor))
@@ -264,3 +281,11 @@ def test_engine_serves_the_gguf_as_hf_greedy(
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
+
+
+def test_split_expert_file_missing_an_expert_is_named(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "t.gguf", make_tiny("mixtral_legacy"), **{"blk.2.ffn_down.3.weight": None}
+    )
+    with pytest.raises(ValueError, match=r"blk\.2\.ffn_down\.3\.weight is missing"):
+        convert_gguf(path, cache_root=tmp_path / "cache")

@@ -29,7 +29,7 @@ from asyncllm.model_files.gguf_moe import (
     applies_llama_rope_permutation,
     check_expert_tensors,
     moe_config,
-    moe_layer_tensor,
+    moe_tensor_name,
     stack_split_tensors,
 )
 
@@ -237,8 +237,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-    if len(parts) == 3 and parts[0] == "blk" and (moe := moe_layer_tensor(parts[2], suffix)):
-        return f"model.layers.{parts[1]}.{moe}"
+    if moe := moe_tensor_name(gguf_name):
+        return moe
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
 
 

@@ -5,10 +5,13 @@ llama.cpp merges each layer's experts into one tensor per projection: ffn_gate_e
 ffn_up_exps [n_expert, expert_ff, hidden], ffn_down_exps [n_expert, hidden, expert_ff]. The
 converted folder holds them in transformers' own stacked layout, experts.gate_up_proj
 [n_expert, 2 * expert_ff, hidden] and experts.down_proj, which FusedMoE.load_stacked reads.
+Mixtral files written before llama.cpp merged the experts (April 2024) hold one tensor per
+expert, blk.N.ffn_gate.E; they are stacked the same way.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +39,8 @@ _LAYER_TENSORS = {
 }
 # stacked parameters carry no `.weight` suffix in transformers
 _STACKED_TENSORS = {"ffn_down_exps": "mlp.experts.down_proj"}
+_SPLIT_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+_ONE_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 # llama.cpp's expert_gating_func values
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
@@ -45,12 +50,20 @@ _DEEPSEEK_YARN_LOG_MUL = 0.1
 Metadata = dict[str, Any]  # the GGUF's `{arch}.` keys, prefix removed
 
 
-def moe_layer_tensor(stem: str, suffix: str) -> str | None:
-    """The Hugging Face name after `model.layers.N.` of a per-layer MoE or MLA tensor."""
-    if stem in _STACKED_TENSORS:
-        return _STACKED_TENSORS[stem]
-    if stem in _LAYER_TENSORS:
-        return f"{_LAYER_TENSORS[stem]}.{suffix}"
+def moe_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a per-layer MoE or MLA tensor (None: not one)."""
+    if match := _SPLIT_EXPERT.fullmatch(gguf_name):
+        layer, projection, expert = match.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj.weight"
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) != 3 or parts[0] != "blk":
+        return None
+    prefix = f"model.layers.{parts[1]}"
+    if parts[2] in _STACKED_TENSORS:
+        return f"{prefix}.{_STACKED_TENSORS[parts[2]]}"
+    if parts[2] in _LAYER_TENSORS:
+        return f"{prefix}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
     return None
 
 
@@ -169,6 +182,7 @@ def require(metadata: Metadata, key: str) -> Any:
 def check_expert_tensors(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> None:
     """Every MoE layer's router and merged experts exist with the shapes the metadata gives;
     `shapes`: each GGUF tensor's logical (numpy-order) shape."""
+    shapes = {**shapes, **split_expert_stacks(shapes)}
     for name, expected in expected_expert_shapes(config).items():
         if name not in shapes:
             raise ValueError(f"GGUF file lacks the expert tensor {name}")
@@ -200,9 +214,30 @@ def expected_expert_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]
     return shapes
 
 
+def split_expert_stacks(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The merged tensors' shapes that a split-expert file's blk.N.ffn_gate.E tensors stack to."""
+    experts: dict[str, dict[int, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        if match := _SPLIT_EXPERT.fullmatch(name):
+            layer, projection, expert = match.groups()
+            experts.setdefault(f"blk.{layer}.ffn_{projection}", {})[int(expert)] = shape
+    stacks = {}
+    for stem, by_expert in experts.items():
+        for expert in range(len(by_expert)):
+            if by_expert.get(expert) != by_expert[0]:
+                raise ValueError(
+                    f"GGUF tensor {stem}.{expert}.weight is missing or has a shape other than "
+                    f"{stem}.0.weight's {by_expert[0]}"
+                )
+        stacks[f"{stem}_exps.weight"] = (len(by_expert), *by_expert[0])
+    return stacks
+
+
 def stack_split_tensors(tensors: dict[str, np.ndarray]) -> None:
-    """Join, in place, what llama.cpp splits: each layer's expert gate and up halves into
-    experts.gate_up_proj, and DeepSeek's k_b (stored transposed) and v_b into kv_b_proj."""
+    """Join, in place, what llama.cpp splits: a split-expert file's experts into one tensor per
+    projection, each layer's expert gate and up halves into experts.gate_up_proj, and
+    DeepSeek's k_b (stored transposed) and v_b into kv_b_proj."""
+    stack_one_expert_tensors(tensors)
     for gate_name in [n for n in tensors if n.endswith(".mlp.experts.gate_proj.weight")]:
         prefix = gate_name.removesuffix(".gate_proj.weight")
         gate, up = tensors.pop(gate_name), tensors.pop(f"{prefix}.up_proj.weight")
@@ -213,3 +248,15 @@ def stack_split_tensors(tensors: dict[str, np.ndarray]) -> None:
         # k_b [heads, kv_lora_rank, nope], v_b [heads, v, kv_lora_rank]
         kv_b = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)
         tensors[f"{prefix}.kv_b_proj.weight"] = np.ascontiguousarray(kv_b.reshape(-1, k_b.shape[1]))
+
+
+def stack_one_expert_tensors(tensors: dict[str, np.ndarray]) -> None:
+    experts: dict[tuple[str, str], dict[int, str]] = {}
+    for name in tensors:
+        if match := _ONE_EXPERT.fullmatch(name):
+            prefix, expert, projection = match.groups()
+            experts.setdefault((prefix, projection), {})[int(expert)] = name
+    for (prefix, projection), names in experts.items():
+        stacked = np.stack([tensors.pop(names[e]) for e in range(len(names))])
+        suffix = "" if projection == "down_proj" else ".weight"
+        tensors[f"{prefix}.{projection}{suffix}"] = stacked
