@@ -42,8 +42,8 @@ _STACKED_TENSORS = {"ffn_down_exps": "mlp.experts.down_proj"}
 _SPLIT_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 _ONE_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
-# llama.cpp's expert_gating_func values
-_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
+# llama.cpp's expert_gating_func for softmax (2 is DeepSeek-V3's sigmoid)
+_GATING_SOFTMAX = 1
 # llama.cpp stores DeepSeek's yarn mscale_all_dim as this multiple
 _DEEPSEEK_YARN_LOG_MUL = 0.1
 
@@ -118,8 +118,12 @@ def deepseek_v2_config(metadata: Metadata, base: dict[str, Any]) -> dict[str, An
         raise ValueError("unsupported GGUF deepseek2 file: sigmoid expert gating (DeepSeek-V3)")
     rope_dim = require(metadata, "rope.dimension_count")
     # files since llama.cpp's MLA rewrite keep key/value_length for the latent (MQA) view
-    qk_head_dim = metadata.get("attention.key_length_mla", metadata.get("attention.key_length"))
-    v_head_dim = metadata.get("attention.value_length_mla", metadata.get("attention.value_length"))
+    qk_head_dim = metadata.get("attention.key_length_mla") or require(
+        metadata, "attention.key_length"
+    )
+    v_head_dim = metadata.get("attention.value_length_mla") or require(
+        metadata, "attention.value_length"
+    )
     groups = metadata.get("expert_group_count", 1)
     return {
         "architectures": ["DeepseekV2ForCausalLM"],
@@ -129,7 +133,7 @@ def deepseek_v2_config(metadata: Metadata, base: dict[str, Any]) -> dict[str, An
         "head_dim": rope_dim,
         "q_lora_rank": metadata.get("attention.q_lora_rank"),
         "kv_lora_rank": require(metadata, "attention.kv_lora_rank"),
-        "qk_nope_head_dim": int(qk_head_dim) - rope_dim,
+        "qk_nope_head_dim": qk_head_dim - rope_dim,
         "qk_rope_head_dim": rope_dim,
         "v_head_dim": v_head_dim,
         "n_routed_experts": require(metadata, "expert_count"),
@@ -223,13 +227,14 @@ def split_expert_stacks(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[i
             experts.setdefault(f"blk.{layer}.ffn_{projection}", {})[int(expert)] = shape
     stacks = {}
     for stem, by_expert in experts.items():
-        for expert in range(len(by_expert)):
-            if by_expert.get(expert) != by_expert[0]:
+        first = by_expert.get(0)
+        for expert in range(max(by_expert) + 1):
+            if first is None or by_expert.get(expert) != first:
                 raise ValueError(
                     f"GGUF tensor {stem}.{expert}.weight is missing or has a shape other than "
-                    f"{stem}.0.weight's {by_expert[0]}"
+                    f"the first expert's"
                 )
-        stacks[f"{stem}_exps.weight"] = (len(by_expert), *by_expert[0])
+        stacks[f"{stem}_exps.weight"] = (len(by_expert), *first)
     return stacks
 
 
