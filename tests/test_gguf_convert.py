@@ -161,10 +161,10 @@ def gguf_name(hf_name: str) -> str:
     return name
 
 
-def add_synthetic_tokenizer(writer: gguf.GGUFWriter, vocab: list[str]) -> None:
+def add_synthetic_tokenizer(writer: gguf.GGUFWriter, vocab: list[str], pre: str = "smollm") -> None:
     writer.add_vocab_size(len(vocab))
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(vocab)
     writer.add_token_types([3] * len(SPECIAL_TOKENS) + [1] * (len(vocab) - len(SPECIAL_TOKENS)))
     writer.add_token_merges(MERGES)

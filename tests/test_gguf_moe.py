@@ -21,7 +21,7 @@ from test_moe_models import CONFIGS, DEEPSEEK, TINY, YARN, kv_caches, metadata
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.attention.torch_backend import TorchAttentionBackend
-from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, convert_gguf
+from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, byte_level_pre_tokenizer, convert_gguf
 from asyncllm.models.loader import iter_safetensors
 from asyncllm.models.registry import get_model_class
 
@@ -109,7 +109,8 @@ def write_metadata(
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     else:
         write_deepseek_metadata(writer, config, legacy)
-    add_synthetic_tokenizer(writer, synthetic_vocab())
+    pre = "deepseek-llm" if config.model_type == "deepseek_v2" else "smollm"
+    add_synthetic_tokenizer(writer, synthetic_vocab(), pre)
 
 
 def write_deepseek_metadata(
@@ -247,6 +248,30 @@ def test_config_comes_from_metadata(converted: tuple[transformers.PreTrainedMode
     for key in [*keys, "architectures", "hidden_size", "num_hidden_layers", "tie_word_embeddings"]:
         assert getattr(config, key) == getattr(hf.config, key), key
     assert config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)
+
+
+def test_deepseek_pre_tokenizer_splits_as_its_regexes() -> None:
+    """DeepSeek-LLM's splits, each on the pieces the one before left: newlines, letters (the
+    Kelvin sign is one, yet the later CJK range U+0800-U+4E00 takes it), punctuation (whose
+    `:-~` holds the ASCII letters, so a Greek letter before them parts), trailing spaces, CJK,
+    digits."""
+    split = byte_level_pre_tokenizer("deepseek-llm")
+    text = "Hello, 世界 123\n\u212aelvin Ωmega  "
+    pieces = [text[a:b] for _, (a, b) in split.pre_tokenize_str(text)]
+    assert pieces == [
+        "Hello",
+        ",",
+        " ",
+        "世界",
+        " ",
+        "123",
+        "\n",
+        "\u212a",
+        "elvin",
+        " Ω",
+        "mega",
+        "  ",
+    ]
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])

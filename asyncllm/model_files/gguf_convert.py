@@ -64,7 +64,44 @@ _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 # llama.cpp's `tokenizer.ggml.pre` names, grouped by the split they stand for (llama-vocab.cpp).
 _GPT2_PRE = {"gpt-2", "mpt", "olmo", "jais"}
 _DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
-_REGEX_PRE = {"llama-bpe": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX, "stablelm2": _QWEN2_REGEX}
+# DeepSeek-LLM's (and V2's) letters, as code point ranges: written as characters, some of them
+# (the Kelvin and Ohm signs, Greek with oxia) would not survive Unicode normalisation
+_DEEPSEEK_LETTER_RANGES = """
+0041-005A 0061-007A 00B5 00C0-00D6 00D8-00F6 00F8-01BA 01BC-01BF 01C4-0293 0295-02AF 0370-0373
+0376 0377 037B-037D 037F 0386 0388-038A 038C 038E-03A1 03A3-03F5 03F7-0481 048A-052F 0531-0556
+10A0-10C5 13A0-13F5 13F8-13FD 1C90-1CBA 1CBD-1CBF 1D00-1D2B 1D6B-1D77 1D79-1D9A 1E00-1F15
+1F18-1F1D 1F20-1F45 1F48-1F4D 1F50-1F57 1F59 1F5B 1F5D 1F5F-1F7D 1F80-1FB4 1FB6-1FBC 1FBE
+1FC2-1FC4 1FC6-1FCC 1FD0-1FD3 1FD6-1FDB 1FE0-1FEC 1FF2-1FF4 1FF6-1FFC 2102 2107 210A-2113 2115
+2119-211D 2124 2126 2128 212A-212D 212F-2134 2139 213C-213F 2145-2149 214E 2183 2184 2C00-2C7B
+2C7E-2CE4 2CEB-2CEE 2CF2 2CF3 A640-A66D A680-A69B A722-A76F A771-A787 A78B-A78E AB70-ABBF
+FB00-FB06 FB13-FB17 FF21-FF3A FF41-FF5A 10400-1044F 104B0-104D3 104D8-104FB 10C80-10CB2
+10CC0-10CF2 118A0-118DF 1E900-1E943
+"""
+
+
+def _character_class(ranges: str) -> str:
+    def characters(item: str) -> str:
+        return "-".join(chr(int(code, 16)) for code in item.split("-"))
+
+    return "[" + "".join(characters(item) for item in ranges.split()) + "]"
+
+
+# the pre-tokenizer names whose split is a sequence of regexes, each applied to the pieces the
+# previous one left (DeepSeek-LLM's tokenizer.json: newlines, letters, punctuation, trailing
+# spaces, CJK and Hangul, digits)
+_REGEX_PRE = {
+    "llama-bpe": (_LLAMA3_REGEX,),
+    "qwen2": (_QWEN2_REGEX,),
+    "stablelm2": (_QWEN2_REGEX,),
+    "deepseek-llm": (
+        r"[\r\n]",
+        r"\s?" + _character_class(_DEEPSEEK_LETTER_RANGES) + "+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        r"\s+$",
+        "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+        r"\p{N}+",
+    ),
+}
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -368,7 +405,7 @@ def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in _REGEX_PRE:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
+                *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _REGEX_PRE[pre]),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
