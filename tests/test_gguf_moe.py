@@ -30,8 +30,9 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 NEW_TOKENS = 6
 MODELS = {
     "mixtral": ("llama", CONFIGS["mixtral"][0], CONFIGS["mixtral"][1]),
-    # llama.cpp's qwen3moe routes every layer
+    # before April 2024 llama.cpp wrote Mixtral's experts one tensor each
     "mixtral_legacy": ("llama", CONFIGS["mixtral"][0], CONFIGS["mixtral"][1]),
+    # llama.cpp's qwen3moe routes every layer
     "qwen3_moe": (
         "qwen3moe",
         transformers.Qwen3MoeConfig,
@@ -164,8 +165,6 @@ def gguf_tensors(tiny: Tiny) -> dict[str, np.ndarray]:
             gate, up = np.split(tensor, 2, axis=1)
             add(hf_name.replace("gate_up_proj", "gate_proj"), gate)
             add(hf_name.replace("gate_up_proj", "up_proj"), up)
-        elif hf_name.endswith("experts.down_proj"):
-            add(hf_name, tensor)
         elif hf_name.endswith("kv_b_proj.weight") and not tiny.legacy:
             heads, nope = config.num_attention_heads, config.qk_nope_head_dim
             kv_b = tensor.reshape(heads, nope + config.v_head_dim, -1)
