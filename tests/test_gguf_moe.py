@@ -22,6 +22,7 @@ from test_moe_models import CONFIGS, DEEPSEEK, TINY, YARN, kv_caches, metadata
 from asyncllm import LLM, SamplingParams
 from asyncllm.attention.torch_backend import TorchAttentionBackend
 from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, byte_level_pre_tokenizer, convert_gguf
+from asyncllm.model_files.gguf_moe import moe_config
 from asyncllm.models.loader import iter_safetensors
 from asyncllm.models.registry import get_model_class
 
@@ -313,3 +314,9 @@ def test_split_expert_file_missing_an_expert_is_named(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"blk\.2\.ffn_down\.3\.weight is missing"):
         convert_gguf(path, cache_root=tmp_path / "cache")
+
+
+def test_sigmoid_gated_deepseek_is_refused() -> None:
+    """DeepSeek-V3's files share the deepseek2 arch; their sigmoid routing is not V2's."""
+    with pytest.raises(ValueError, match="sigmoid expert gating"):
+        moe_config("deepseek2", {"expert_gating_func": 2}, {})
