@@ -37,7 +37,14 @@ MODELS = {
     "qwen3_moe": (
         "qwen3moe",
         transformers.Qwen3MoeConfig,
-        dict(CONFIGS["qwen3_moe_dense_layer"][1], mlp_only_layers=[], tie_word_embeddings=True),
+        dict(
+            CONFIGS["qwen3_moe_dense_layer"][1],
+            mlp_only_layers=[],
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64
+            ),
+        ),
     ),
     # llama.cpp keeps one yarn mscale, so mscale and mscale_all_dim are equal (as in V2-Lite)
     "deepseek_v2": (
@@ -111,6 +118,12 @@ def write_metadata(
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     else:
         write_deepseek_metadata(writer, config, legacy)
+    if config.rope_parameters.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(
+            config.rope_parameters["original_max_position_embeddings"]
+        )
     pre = "deepseek-llm" if config.model_type == "deepseek_v2" else "smollm"
     add_synthetic_tokenizer(writer, synthetic_vocab(), pre)
 
@@ -118,7 +131,6 @@ def write_metadata(
 def write_deepseek_metadata(
     writer: gguf.GGUFWriter, config: transformers.PretrainedConfig, legacy: bool
 ) -> None:
-    rope = config.rope_parameters
     writer.add_head_count_kv(1)
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
     if config.q_lora_rank is not None:
@@ -139,10 +151,7 @@ def write_deepseek_metadata(
     writer.add_expert_shared_count(config.n_shared_experts)
     writer.add_expert_weights_scale(config.routed_scaling_factor)
     writer.add_rope_dimension_count(config.qk_rope_head_dim)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * config.rope_parameters["mscale_all_dim"])
 
 
 def gguf_tensors(tiny: Tiny) -> dict[str, np.ndarray]:

@@ -90,6 +90,7 @@ def mixtral_config(metadata: Metadata, base: dict[str, Any]) -> dict[str, Any]:
         "num_experts_per_tok": require(metadata, "expert_used_count"),
         "intermediate_size": metadata.get("expert_feed_forward_length", base["intermediate_size"]),
         "sliding_window": None,
+        **rope_fields(yarn_rope(metadata, base)),
     }
 
 
@@ -110,6 +111,7 @@ def qwen3_moe_config(metadata: Metadata, base: dict[str, Any]) -> dict[str, Any]
         "mlp_only_layers": [],
         "use_sliding_window": False,
         "sliding_window": None,
+        **rope_fields(yarn_rope(metadata, base)),
     }
 
 
@@ -125,6 +127,11 @@ def deepseek_v2_config(metadata: Metadata, base: dict[str, Any]) -> dict[str, An
         metadata, "attention.value_length"
     )
     groups = metadata.get("expert_group_count", 1)
+    rope = yarn_rope(metadata, base)
+    if rope is not None:
+        # llama.cpp keeps one mscale (DeepSeek-V2's mscale and mscale_all_dim are equal)
+        mscale = metadata.get("rope.scaling.yarn_log_multiplier", 0.0) / _DEEPSEEK_YARN_LOG_MUL
+        rope |= {"mscale": mscale, "mscale_all_dim": mscale}
     return {
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
@@ -146,16 +153,15 @@ def deepseek_v2_config(metadata: Metadata, base: dict[str, Any]) -> dict[str, An
         "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
         "n_group": groups if groups > 1 else None,
         "topk_group": metadata.get("expert_group_used_count") if groups > 1 else None,
-        **deepseek_rope(metadata, base),
+        **rope_fields(rope),
     }
 
 
-def deepseek_rope(metadata: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+def yarn_rope(metadata: Metadata, base: dict[str, Any]) -> dict[str, Any] | None:
+    """The file's YaRN scaling as rope_parameters (None: it has none)."""
     if metadata.get("rope.scaling.type") != "yarn":
-        return {}
-    # llama.cpp keeps one mscale (DeepSeek-V2's mscale and mscale_all_dim are equal)
-    mscale = metadata.get("rope.scaling.yarn_log_multiplier", 0.0) / _DEEPSEEK_YARN_LOG_MUL
-    rope = {
+        return None
+    return {
         "rope_type": "yarn",
         "rope_theta": base["rope_theta"],
         "factor": require(metadata, "rope.scaling.factor"),
@@ -164,10 +170,12 @@ def deepseek_rope(metadata: Metadata, base: dict[str, Any]) -> dict[str, Any]:
         ),
         "beta_fast": metadata.get("rope.scaling.yarn_beta_fast", 32.0),
         "beta_slow": metadata.get("rope.scaling.yarn_beta_slow", 1.0),
-        "mscale": mscale,
-        "mscale_all_dim": mscale,
     }
-    return {"rope_parameters": rope, "rope_scaling": rope}
+
+
+def rope_fields(rope: dict[str, Any] | None) -> dict[str, Any]:
+    # both spellings, as the llama config writes them: transformers 5 reads rope_parameters
+    return {} if rope is None else {"rope_parameters": rope, "rope_scaling": rope}
 
 
 _CONFIG_BUILDERS: dict[str, Callable[[Metadata, dict[str, Any]], dict[str, Any]]] = {
