@@ -161,6 +161,18 @@ def gguf_name(hf_name: str) -> str:
     return name
 
 
+def add_synthetic_tokenizer(writer: gguf.GGUFWriter, vocab: list[str], pre: str = "smollm") -> None:
+    writer.add_vocab_size(len(vocab))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(vocab)
+    writer.add_token_types([3] * len(SPECIAL_TOKENS) + [1] * (len(vocab) - len(SPECIAL_TOKENS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(IM_END)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
 def write_synthetic_gguf(path: Path, tensors: dict[str, np.ndarray], vocab: list[str]) -> None:
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(LAYERS)
@@ -171,15 +183,7 @@ def write_synthetic_gguf(path: Path, tensors: dict[str, np.ndarray], vocab: list
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(50000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(len(vocab))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(vocab)
-    writer.add_token_types([3] * len(SPECIAL_TOKENS) + [1] * (len(vocab) - len(SPECIAL_TOKENS)))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(IM_END)
-    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    add_synthetic_tokenizer(writer, vocab)
     for name, tensor in tensors.items():
         if ".q_proj." in name:
             tensor = llama_cpp_permute(tensor, HEADS)

@@ -1,4 +1,5 @@
-"""Convert a llama-architecture GGUF file into a cached Hugging Face model folder.
+"""Convert a llama-architecture GGUF file (or a MoE one: model_files.gguf_moe) into a cached
+Hugging Face model folder.
 
 The folder holds config.json, generation_config.json (with the sampling settings the caller
 recommends for the model, which a GGUF file does not carry), the tokenizer files (with the chat
@@ -24,10 +25,19 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
+from asyncllm.model_files.gguf_moe import (
+    applies_llama_rope_permutation,
+    check_expert_tensors,
+    moe_config,
+    moe_tensor_name,
+    stack_split_tensors,
+)
+
 # Bump when the folder layout or contents change, so stale cached folders are not reused.
 CONVERTER_VERSION = 1
 CACHE_ENV_VAR = "ASYNCLLM_CACHE_DIR"
 
+_ARCHITECTURES = ("llama", "qwen3moe", "deepseek2")
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -54,7 +64,44 @@ _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 # llama.cpp's `tokenizer.ggml.pre` names, grouped by the split they stand for (llama-vocab.cpp).
 _GPT2_PRE = {"gpt-2", "mpt", "olmo", "jais"}
 _DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
-_REGEX_PRE = {"llama-bpe": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX, "stablelm2": _QWEN2_REGEX}
+# DeepSeek-LLM's (and V2's) letters, as code point ranges: written as characters, some of them
+# (the Kelvin and Ohm signs, Greek with oxia) would not survive Unicode normalisation
+_DEEPSEEK_LETTER_RANGES = """
+0041-005A 0061-007A 00B5 00C0-00D6 00D8-00F6 00F8-01BA 01BC-01BF 01C4-0293 0295-02AF 0370-0373
+0376 0377 037B-037D 037F 0386 0388-038A 038C 038E-03A1 03A3-03F5 03F7-0481 048A-052F 0531-0556
+10A0-10C5 13A0-13F5 13F8-13FD 1C90-1CBA 1CBD-1CBF 1D00-1D2B 1D6B-1D77 1D79-1D9A 1E00-1F15
+1F18-1F1D 1F20-1F45 1F48-1F4D 1F50-1F57 1F59 1F5B 1F5D 1F5F-1F7D 1F80-1FB4 1FB6-1FBC 1FBE
+1FC2-1FC4 1FC6-1FCC 1FD0-1FD3 1FD6-1FDB 1FE0-1FEC 1FF2-1FF4 1FF6-1FFC 2102 2107 210A-2113 2115
+2119-211D 2124 2126 2128 212A-212D 212F-2134 2139 213C-213F 2145-2149 214E 2183 2184 2C00-2C7B
+2C7E-2CE4 2CEB-2CEE 2CF2 2CF3 A640-A66D A680-A69B A722-A76F A771-A787 A78B-A78E AB70-ABBF
+FB00-FB06 FB13-FB17 FF21-FF3A FF41-FF5A 10400-1044F 104B0-104D3 104D8-104FB 10C80-10CB2
+10CC0-10CF2 118A0-118DF 1E900-1E943
+"""
+
+
+def _character_class(ranges: str) -> str:
+    def characters(item: str) -> str:
+        return "-".join(chr(int(code, 16)) for code in item.split("-"))
+
+    return "[" + "".join(characters(item) for item in ranges.split()) + "]"
+
+
+# the pre-tokenizer names whose split is a sequence of regexes, each applied to the pieces the
+# previous one left (DeepSeek-LLM's tokenizer.json: newlines, letters, punctuation, trailing
+# spaces, CJK and Hangul, digits)
+_REGEX_PRE = {
+    "llama-bpe": (_LLAMA3_REGEX,),
+    "qwen2": (_QWEN2_REGEX,),
+    "stablelm2": (_QWEN2_REGEX,),
+    "deepseek-llm": (
+        r"[\r\n]",
+        r"\s?" + _character_class(_DEEPSEEK_LETTER_RANGES) + "+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        r"\s+$",
+        "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+        r"\p{N}+",
+    ),
+}
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -79,6 +126,7 @@ class GGUFModelInfo:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     chat_template: str | None
+    architecture: str = "llama"
 
 
 def convert_gguf(
@@ -136,36 +184,54 @@ def make_shareable(folder: Path) -> None:
 def write_hf_folder(gguf_path: Path, out: Path, sampling: dict[str, Any]) -> None:
     reader = GGUFReader(gguf_path)
     info = read_model_info(reader)
+    config = moe_config(info.architecture, arch_metadata(reader, info), hf_config(info))
+    check_expert_tensors(tensor_shapes(reader), config)
     write_weights(reader, info, out / "model.safetensors")
-    write_json(out / "config.json", hf_config(info))
+    write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {**generation_config(info), **sampling})
     write_tokenizer(reader, info, gguf_path, out)
 
 
 def read_model_info(reader: GGUFReader) -> GGUFModelInfo:
     arch = field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' converts")
-    hidden = int(field(reader, "llama.embedding_length"))
-    heads = int(field(reader, "llama.attention.head_count"))
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: {', '.join(_ARCHITECTURES)}")
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    heads = int(field(reader, f"{arch}.attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
     return GGUFModelInfo(
         hidden_size=hidden,
-        num_layers=int(field(reader, "llama.block_count")),
+        num_layers=int(field(reader, f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, "llama.attention.key_length", hidden // heads)),
-        intermediate_size=int(field(reader, "llama.feed_forward_length")),
-        rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        context_length=int(field(reader, "llama.context_length")),
-        vocab_size=vocab_size(reader),
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        context_length=int(field(reader, f"{arch}.context_length")),
+        vocab_size=vocab_size(reader, arch),
         tied_embeddings="output.weight" not in tensor_names,
         bos_token_id=optional_int(field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_ids=eos_token_ids(reader),
         pad_token_id=optional_int(field(reader, "tokenizer.ggml.padding_token_id", None)),
         chat_template=field(reader, "tokenizer.chat_template", None),
+        architecture=arch,
     )
+
+
+def arch_metadata(reader: GGUFReader, info: GGUFModelInfo) -> dict[str, Any]:
+    """The file's `{arch}.` fields, prefix removed."""
+    prefix = f"{info.architecture}."
+    return {
+        key.removeprefix(prefix): value.contents()
+        for key, value in reader.fields.items()
+        if key.startswith(prefix)
+    }
+
+
+def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+    # GGUF lists a tensor's dimensions innermost first
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
 
 
 _MISSING = object()
@@ -183,9 +249,9 @@ def optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def vocab_size(reader: GGUFReader) -> int:
-    if "llama.vocab_size" in reader.fields:
-        return int(field(reader, "llama.vocab_size"))
+def vocab_size(reader: GGUFReader, arch: str) -> int:
+    if f"{arch}.vocab_size" in reader.fields:
+        return int(field(reader, f"{arch}.vocab_size"))
     return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
@@ -208,6 +274,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    if moe := moe_tensor_name(gguf_name):
+        return moe
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -221,13 +289,15 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_weights(reader: GGUFReader, info: GGUFModelInfo, path: Path) -> None:
     tensors: dict[str, np.ndarray] = {}
+    permuted = applies_llama_rope_permutation(info.architecture)
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors", unit="tensor"):
         weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+        if permuted and tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
             weight = unpermute_rotary(weight, info.num_heads)
-        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+        elif permuted and tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
             weight = unpermute_rotary(weight, info.num_kv_heads)
         tensors[hf_tensor_name(tensor.name)] = np.ascontiguousarray(weight)
+    stack_split_tensors(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
@@ -335,7 +405,7 @@ def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in _REGEX_PRE:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
+                *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _REGEX_PRE[pre]),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
