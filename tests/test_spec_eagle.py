@@ -1,84 +1,30 @@
 """EAGLE and EAGLE-3 heads with random weights, in the layout the EAGLE authors publish: greedy
 speculation gives exactly the target's own tokens, and bad checkpoints are refused clearly."""
 
-import json
-
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from test_spec_eagle_support import (
+    GREEDY,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    VOCAB,
+    Target,
+    generate,
+    head_config,
+    layer_tensors,
+    random,
+    record_drafts,
+    rms_norm,
+    spec_stats,
+    speculate,
+    write_head,
+)
 
-from asyncllm import LLM, SamplingParams
-
-PROMPTS = [{"prompt_token_ids": [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]}, {"prompt_token_ids": [7]}]
-HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 128, 32
-HEAD_DIM = HIDDEN // HEADS
-
-
-@pytest.fixture(scope="module")
-def target_dir(default_model_dir, tmp_path_factory):
-    """A random 4-layer Llama over 32 tokens (EAGLE-3's default layers 2, 2 and 1 exist)."""
-    path = tmp_path_factory.mktemp("eagle-target")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=4,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
-    return path
-
-
-def head_config(architecture: str, **extra) -> dict:
-    return dict(
-        architectures=[architecture],
-        model_type="llama",
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=1,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        **extra,
-    )
-
-
-def random(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape) * 0.2
-
-
-def layer_tensors(prefix: str, qkv_input: int, input_norm: bool) -> dict[str, torch.Tensor]:
-    tensors = {
-        f"{prefix}.self_attn.q_proj.weight": random(HEADS * HEAD_DIM, qkv_input),
-        f"{prefix}.self_attn.k_proj.weight": random(KV_HEADS * HEAD_DIM, qkv_input),
-        f"{prefix}.self_attn.v_proj.weight": random(KV_HEADS * HEAD_DIM, qkv_input),
-        f"{prefix}.self_attn.o_proj.weight": random(HIDDEN, HEADS * HEAD_DIM),
-        f"{prefix}.mlp.gate_proj.weight": random(INTER, HIDDEN),
-        f"{prefix}.mlp.up_proj.weight": random(INTER, HIDDEN),
-        f"{prefix}.mlp.down_proj.weight": random(HIDDEN, INTER),
-        f"{prefix}.post_attention_layernorm.weight": 1 + random(HIDDEN),
-    }
-    if input_norm:
-        tensors[f"{prefix}.input_layernorm.weight"] = 1 + random(HIDDEN)
-    return tensors
-
-
-def write_head(path, config: dict, tensors: dict[str, torch.Tensor]):
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file({name: t.contiguous() for name, t in tensors.items()}, path / "model.safetensors")
-    return path
+from asyncllm import SamplingParams
 
 
 def eagle_tensors(own_embedding: bool = False) -> dict[str, torch.Tensor]:
@@ -109,6 +55,11 @@ def eagle3_tensors(draft_vocab: int = 16) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
+def target(default_model_dir, tmp_path_factory):
+    return Target.write(default_model_dir, tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
 def eagle_dir(tmp_path_factory):
     torch.manual_seed(1)
     path = tmp_path_factory.mktemp("eagle-head")
@@ -126,50 +77,16 @@ def eagle3_dir(tmp_path_factory):
     return write_head(path, config, eagle3_tensors())
 
 
-def engine_kwargs(target_dir) -> dict:
-    return dict(model=str(target_dir), max_model_len=256, kv_cache_memory=1 << 24)
-
-
-def generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-
-
-@pytest.fixture(scope="module")
-def greedy_tokens(target_dir):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    return generate(LLM(**engine_kwargs(target_dir)), params)
-
-
-def speculate(target_dir, method: str, head_dir, num_tokens: int = 3) -> LLM:
-    config = {"method": method, "model": str(head_dir), "num_speculative_tokens": num_tokens}
-    return LLM(**engine_kwargs(target_dir), speculative_config=config)
-
-
-def spec_stats(llm: LLM):
-    return llm.core_client.core.spec_decoding_stats
-
-
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_greedy_gives_the_targets_own_tokens(
-    target_dir, greedy_tokens, eagle_dir, eagle3_dir, method
-):
-    head_dir = eagle_dir if method == "eagle" else eagle3_dir
-    spec = speculate(target_dir, method, head_dir)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    assert generate(spec, params) == greedy_tokens
+def test_greedy_gives_the_targets_own_tokens(target, eagle_dir, eagle3_dir, method):
+    spec = speculate(target, method, eagle_dir if method == "eagle" else eagle3_dir)
+    assert generate(spec, GREEDY) == target.greedy
     assert spec_stats(spec).num_draft_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def hf_target(target_dir):
-    return transformers.LlamaForCausalLM.from_pretrained(target_dir).eval()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-
-
-def eagle_reference(hf_target, head_dir, tokens: list[int], num_drafts: int) -> list[int]:
+def eagle_reference(
+    hf_target: transformers.LlamaForCausalLM, head_dir, tokens: list[int], num_drafts: int
+) -> list[int]:
     """EAGLE-1 from its description, recomputed whole for each draft: HF's Llama layer (no
     input norm, no final norm) over fc([embedding of t+1; target state t]), the target's
     lm_head on the last row; each draft is appended with the head's own last state."""
@@ -197,7 +114,9 @@ def eagle_reference(hf_target, head_dir, tokens: list[int], num_drafts: int) -> 
     return drafts
 
 
-def eagle3_reference(hf_target, head_dir, tokens: list[int], num_drafts: int) -> list[int]:
+def eagle3_reference(
+    hf_target: transformers.LlamaForCausalLM, head_dir, tokens: list[int], num_drafts: int
+) -> list[int]:
     """EAGLE-3 from its description, recomputed whole for each draft."""
     from safetensors.torch import load_file
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -242,33 +161,70 @@ def eagle3_reference(hf_target, head_dir, tokens: list[int], num_drafts: int) ->
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_drafts_are_the_heads_as_described(
-    target_dir, hf_target, eagle_dir, eagle3_dir, monkeypatch, method
-):
+def test_drafts_are_the_heads_as_described(target, eagle_dir, eagle3_dir, monkeypatch, method):
     """Every draft the engine proposes (the head run incrementally over its own KV cache,
     chunk by chunk and after accepted and rejected drafts) is the head's output recomputed
     from scratch over the whole sequence."""
     from asyncllm.spec_decode.eagle import EagleProposer
 
-    drafted = []
-    original = EagleProposer.draft
-
-    def recording(self, step):
-        drafts = original(self, step)
-        drafted.extend(zip(step.next_positions.tolist(), drafts))
-        return drafts
-
-    monkeypatch.setattr(EagleProposer, "draft", recording)
+    drafted = record_drafts(monkeypatch, EagleProposer)
     head_dir, reference = (eagle_dir, eagle_reference)
     if method == "eagle3":
         head_dir, reference = (eagle3_dir, eagle3_reference)
     prompt = list(range(3, 20))
-    config = {"method": method, "model": str(head_dir), "num_speculative_tokens": 3}
     # prompts in chunks of 8 tokens: the head catches up on partial prefills too
-    spec = LLM(**engine_kwargs(target_dir), max_num_batched_tokens=8, speculative_config=config)
+    spec = speculate(target, method, head_dir, max_num_batched_tokens=8)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     output = spec.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     tokens = prompt + list(output[0].outputs[0].token_ids)
     assert sum(len(drafts) for _, drafts in drafted) > 6
     for position, drafts in drafted:
-        assert drafts == reference(hf_target, head_dir, tokens[: position + 1], len(drafts))
+        assert drafts == reference(target.hf, head_dir, tokens[: position + 1], len(drafts))
+
+
+def test_a_head_with_its_own_embedding_reads_it(target, tmp_path):
+    """A checkpoint with embed_tokens and lm_head: the head uses them, not the target's."""
+    torch.manual_seed(6)
+    tensors = eagle_tensors(own_embedding=True) | {"lm_head.weight": random(VOCAB, HIDDEN)}
+    head_dir = write_head(tmp_path, head_config("EagleLlamaForCausalLM"), tensors)
+    spec = speculate(target, "eagle", head_dir)
+    head = spec.core_client.core.executor.model_runner.drafter.head
+    assert torch.equal(head.embed_tokens.weight, tensors["embed_tokens.weight"])
+    assert generate(spec, GREEDY) == target.greedy
+
+
+@pytest.mark.parametrize(
+    ("config", "tensors", "error"),
+    [
+        (
+            head_config("LlamaForCausalLMEagle", hidden_size=32),
+            {},
+            "hidden states of size 32; the target's are 64",
+        ),
+        (head_config("LlamaForCausalLMEagle", vocab_size=48), {}, "vocabulary of 48 tokens"),
+        (head_config("MedusaModel"), {}, r"architecture \['MedusaModel'\] is not a eagle head"),
+        (head_config("LlamaForCausalLMEagle"), {"fc.weight": None}, "lacks fc.weight"),
+        (
+            head_config("LlamaForCausalLMEagle"),
+            {"layers.1.mlp.up_proj.weight": random(INTER, HIDDEN)},
+            "'layers.1.mlp.up_proj.weight' has no place in the head",
+        ),
+    ],
+)
+def test_a_mismatched_eagle_checkpoint_is_refused(target, tmp_path, config, tensors, error):
+    torch.manual_seed(7)
+    saved = {
+        name: t for name, t in (eagle_tensors() | tensors).items() if t is not None
+    }  # fmt: skip
+    head_dir = write_head(tmp_path, config, saved)
+    with pytest.raises(ValueError, match=error):
+        speculate(target, "eagle", head_dir)
+
+
+def test_eagle3_layers_the_target_lacks_are_refused(target, tmp_path):
+    config = head_config(
+        "LlamaForCausalLMEagle3", eagle_aux_hidden_state_layer_ids=[1, 2, 4], draft_vocab_size=16
+    )
+    head_dir = write_head(tmp_path, config, eagle3_tensors())
+    with pytest.raises(ValueError, match=r"\[1, 2, 4\] do not name three"):
+        speculate(target, "eagle3", head_dir)

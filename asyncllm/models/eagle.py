@@ -125,12 +125,14 @@ class _HeadBase(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name, shard_id = fused_target(self.param_name(name.removeprefix("model.")))
-            if name == "t2d" or "rotary_emb" in name:
+        for checkpoint_name, tensor in weights:
+            name, shard_id = fused_target(self.param_name(checkpoint_name.removeprefix("model.")))
+            if name == "t2d" or "rotary_emb" in name:  # t2d: d2t says the same
                 continue
             if name not in params:
-                raise ValueError(f"speculative model: tensor {name!r} has no place in the head")
+                raise ValueError(
+                    f"speculative model: tensor {checkpoint_name!r} has no place in the head"
+                )
             param = params[name]
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded.add(name)
