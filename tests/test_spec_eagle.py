@@ -11,6 +11,7 @@ from test_spec_eagle_support import (
     HIDDEN,
     INTER,
     KV_HEADS,
+    SEEDED,
     VOCAB,
     Target,
     generate,
@@ -78,9 +79,11 @@ def eagle3_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_greedy_gives_the_targets_own_tokens(target, eagle_dir, eagle3_dir, method):
+def test_greedy_and_seeded_give_the_targets_own_tokens(target, eagle_dir, eagle3_dir, method):
+    """Greedy drafts are single tokens: seeded sampling keeps its text too."""
     spec = speculate(target, method, eagle_dir if method == "eagle" else eagle3_dir)
     assert generate(spec, GREEDY) == target.greedy
+    assert generate(spec, SEEDED) == target.seeded
     assert spec_stats(spec).num_draft_tokens > 0
 
 

@@ -19,16 +19,18 @@ PROMPTS = [{"prompt_token_ids": [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]}, {"prompt_token_
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 128, 32
 HEAD_DIM = HIDDEN // HEADS
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_k=8, seed=5, max_tokens=40, ignore_eos=True)
 
 
 @dataclass
 class Target:
     """A random 4-layer Llama over 32 tokens (EAGLE-3's default layers 2, 2 and 1 exist), its
-    HF twin and its greedy tokens for PROMPTS."""
+    HF twin and its tokens for PROMPTS without speculation, greedy and seeded."""
 
     path: Path
     hf: transformers.LlamaForCausalLM
     greedy: list[list[int]]
+    seeded: list[list[int]]
 
     @classmethod
     def write(cls, default_model_dir: Path, path: Path) -> "Target":
@@ -49,7 +51,8 @@ class Target:
         transformers.LlamaForCausalLM(config).save_pretrained(path)
         transformers.AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
         hf = transformers.LlamaForCausalLM.from_pretrained(path).eval()
-        return cls(path, hf, generate(LLM(**engine_kwargs(path)), GREEDY))
+        llm = LLM(**engine_kwargs(path))
+        return cls(path, hf, generate(llm, GREEDY), generate(llm, SEEDED))
 
 
 def head_config(architecture: str, **keys) -> dict:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from test_spec_eagle_support import (
     GREEDY,
     HIDDEN,
+    SEEDED,
     VOCAB,
     Target,
     generate,
@@ -49,9 +50,10 @@ def medusa_dir(tmp_path_factory):
     return write_head(tmp_path_factory.mktemp("medusa"), config, medusa_tensors())
 
 
-def test_greedy_gives_the_targets_own_tokens(target, medusa_dir):
+def test_greedy_and_seeded_give_the_targets_own_tokens(target, medusa_dir):
     spec = speculate(target, "medusa", medusa_dir, NUM_HEADS)
     assert generate(spec, GREEDY) == target.greedy
+    assert generate(spec, SEEDED) == target.seeded
     assert spec_stats(spec).num_draft_tokens > 0
 
 
