@@ -14,45 +14,20 @@ from test_spec_eagle_support import (
     SEEDED,
     VOCAB,
     Target,
+    eagle3_tensors,
+    eagle_tensors,
     generate,
     head_config,
-    layer_tensors,
     random,
     record_drafts,
     rms_norm,
     spec_stats,
     speculate,
     write_head,
+    write_heads,
 )
 
 from asyncllm import SamplingParams
-
-
-def eagle_tensors(own_embedding: bool = False) -> dict[str, torch.Tensor]:
-    """EAGLE-1/2: fc (with its bias) over [embedding; hidden], a layer without input norm."""
-    tensors = {"fc.weight": random(HIDDEN, 2 * HIDDEN), "fc.bias": random(HIDDEN)}
-    tensors |= layer_tensors("layers.0", HIDDEN, input_norm=False)
-    if own_embedding:
-        tensors["embed_tokens.weight"] = random(VOCAB, HIDDEN)
-    return tensors
-
-
-def eagle3_tensors(draft_vocab: int = 16) -> dict[str, torch.Tensor]:
-    """EAGLE-3: fc over three layers' states, midlayer reading 2H, its own small vocabulary
-    (d2t: target id minus draft id; t2d: which target ids it covers)."""
-    torch.manual_seed(3)
-    draft_to_target = torch.randperm(VOCAB)[:draft_vocab].sort().values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[draft_to_target] = True
-    tensors = {
-        "fc.weight": random(HIDDEN, 3 * HIDDEN),
-        "midlayer.hidden_norm.weight": 1 + random(HIDDEN),
-        "norm.weight": 1 + random(HIDDEN),
-        "lm_head.weight": random(draft_vocab, HIDDEN),
-        "d2t": draft_to_target - torch.arange(draft_vocab),
-        "t2d": t2d,
-    }
-    return tensors | layer_tensors("midlayer", 2 * HIDDEN, input_norm=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +37,12 @@ def target(default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eagle_dir(tmp_path_factory):
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("eagle-head")
-    return write_head(path, head_config("LlamaForCausalLM", bias=True), eagle_tensors())
+    return write_heads("eagle", tmp_path_factory.mktemp("eagle-head"))
 
 
 @pytest.fixture(scope="module")
 def eagle3_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("eagle3-head")
-    config = head_config(
-        "LlamaForCausalLMEagle3",
-        draft_vocab_size=16,
-        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]},
-    )
-    return write_head(path, config, eagle3_tensors())
+    return write_heads("eagle3", tmp_path_factory.mktemp("eagle3-head"))
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

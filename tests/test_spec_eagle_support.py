@@ -34,25 +34,31 @@ class Target:
 
     @classmethod
     def write(cls, default_model_dir: Path, path: Path) -> "Target":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=INTER,
-            num_hidden_layers=4,
-            num_attention_heads=HEADS,
-            num_key_value_heads=KV_HEADS,
-            max_position_embeddings=256,
-            initializer_range=0.2,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        config.architectures = ["LlamaForCausalLM"]
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).save_pretrained(path)
-        transformers.AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+        write_target(path, tokenizer_from=default_model_dir)
         hf = transformers.LlamaForCausalLM.from_pretrained(path).eval()
         llm = LLM(**engine_kwargs(path))
         return cls(path, hf, generate(llm, GREEDY), generate(llm, SEEDED))
+
+
+def write_target(path: Path, tokenizer_from: Path | None = None) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=4,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    if tokenizer_from is not None:
+        transformers.AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+    return path
 
 
 def head_config(architecture: str, **keys) -> dict:
@@ -99,6 +105,68 @@ def write_head(path, config: dict, tensors: dict[str, torch.Tensor]):
     (path / "config.json").write_text(json.dumps(config))
     save_file({name: t.contiguous() for name, t in tensors.items()}, path / "model.safetensors")
     return path
+
+
+def eagle_tensors(own_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """EAGLE-1/2: fc (with its bias) over [embedding; hidden], a layer without input norm."""
+    tensors = {"fc.weight": random(HIDDEN, 2 * HIDDEN), "fc.bias": random(HIDDEN)}
+    tensors |= layer_tensors("layers.0", HIDDEN, input_norm=False)
+    if own_embedding:
+        tensors["embed_tokens.weight"] = random(VOCAB, HIDDEN)
+    return tensors
+
+
+def eagle3_tensors(draft_vocab: int = 16) -> dict[str, torch.Tensor]:
+    """EAGLE-3: fc over three layers' states, midlayer reading 2H, its own small vocabulary
+    (d2t: target id minus draft id; t2d: which target ids it covers)."""
+    torch.manual_seed(3)
+    draft_to_target = torch.randperm(VOCAB)[:draft_vocab].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    tensors = {
+        "fc.weight": random(HIDDEN, 3 * HIDDEN),
+        "midlayer.hidden_norm.weight": 1 + random(HIDDEN),
+        "norm.weight": 1 + random(HIDDEN),
+        "lm_head.weight": random(draft_vocab, HIDDEN),
+        "d2t": draft_to_target - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    return tensors | layer_tensors("midlayer", 2 * HIDDEN, input_norm=True)
+
+
+NUM_HEADS = 3
+
+
+def medusa_tensors() -> dict[str, torch.Tensor]:
+    """vLLM's layout: blocks.i.layers.0 (with its bias), lm_heads.i."""
+    tensors = {}
+    for i in range(NUM_HEADS):
+        block, lm_head = f"blocks.{i}.layers.0", f"lm_heads.{i}"
+        tensors[f"{block}.weight"] = random(HIDDEN, HIDDEN)
+        tensors[f"{block}.bias"] = random(HIDDEN)
+        tensors[f"{lm_head}.weight"] = random(VOCAB, HIDDEN) * 5
+    return tensors
+
+
+def medusa_config(**keys) -> dict:
+    return dict(hidden_size=HIDDEN, vocab_size=VOCAB, medusa_fc_bias=True, **keys)
+
+
+def write_heads(method: str, path: Path) -> Path:
+    """A head of random weights for the target, in the published layout."""
+    if method == "eagle":
+        torch.manual_seed(1)
+        return write_head(path, head_config("LlamaForCausalLM", bias=True), eagle_tensors())
+    if method == "eagle3":
+        config = head_config(
+            "LlamaForCausalLMEagle3",
+            draft_vocab_size=16,
+            eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]},
+        )
+        return write_head(path, config, eagle3_tensors())
+    torch.manual_seed(4)
+    config = medusa_config(architectures=["MedusaModel"], num_heads=NUM_HEADS, num_hidden_layers=1)
+    return write_head(path, config, medusa_tensors())
 
 
 def engine_kwargs(path: Path) -> dict:

@@ -6,36 +6,20 @@ import torch
 import torch.nn.functional as F
 from test_spec_eagle_support import (
     GREEDY,
-    HIDDEN,
+    NUM_HEADS,
     SEEDED,
-    VOCAB,
     Target,
     generate,
-    random,
+    medusa_config,
+    medusa_tensors,
     record_drafts,
     spec_stats,
     speculate,
     write_head,
+    write_heads,
 )
 
 from asyncllm import SamplingParams
-
-NUM_HEADS = 3
-
-
-def medusa_tensors() -> dict[str, torch.Tensor]:
-    """vLLM's layout: blocks.i.layers.0 (with its bias), lm_heads.i."""
-    tensors = {}
-    for i in range(NUM_HEADS):
-        block, lm_head = f"blocks.{i}.layers.0", f"lm_heads.{i}"
-        tensors[f"{block}.weight"] = random(HIDDEN, HIDDEN)
-        tensors[f"{block}.bias"] = random(HIDDEN)
-        tensors[f"{lm_head}.weight"] = random(VOCAB, HIDDEN) * 5
-    return tensors
-
-
-def medusa_config(**keys) -> dict:
-    return dict(hidden_size=HIDDEN, vocab_size=VOCAB, medusa_fc_bias=True, **keys)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +29,7 @@ def target(default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def medusa_dir(tmp_path_factory):
-    torch.manual_seed(4)
-    config = medusa_config(architectures=["MedusaModel"], num_heads=NUM_HEADS, num_hidden_layers=1)
-    return write_head(tmp_path_factory.mktemp("medusa"), config, medusa_tensors())
+    return write_heads("medusa", tmp_path_factory.mktemp("medusa"))
 
 
 def test_greedy_and_seeded_give_the_targets_own_tokens(target, medusa_dir):
