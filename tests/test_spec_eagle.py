@@ -1,6 +1,8 @@
 """EAGLE and EAGLE-3 heads with random weights, in the layout the EAGLE authors publish: greedy
 speculation gives exactly the target's own tokens, and bad checkpoints are refused clearly."""
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -14,6 +16,7 @@ from test_spec_eagle_support import (
     SEEDED,
     VOCAB,
     Target,
+    drafter,
     eagle3_tensors,
     eagle_tensors,
     generate,
@@ -158,8 +161,19 @@ def test_a_head_with_its_own_embedding_reads_it(target, tmp_path):
     tensors = eagle_tensors(own_embedding=True) | {"lm_head.weight": random(VOCAB, HIDDEN)}
     head_dir = write_head(tmp_path, head_config("EagleLlamaForCausalLM"), tensors)
     spec = speculate(target, "eagle", head_dir)
-    head = spec.core_client.core.executor.model_runner.drafter.head
+    head = drafter(spec).head
     assert torch.equal(head.embed_tokens.weight, tensors["embed_tokens.weight"])
+    assert generate(spec, GREEDY) == target.greedy
+
+
+def test_eagle3_in_vllms_layout_loads_the_same_head(target, eagle3_dir, tmp_path):
+    """vLLM's converted EAGLE-3 checkpoints name the midlayer layers.0."""
+    tensors = {name.replace("midlayer.", "layers.0."): t for name, t in eagle3_tensors().items()}
+    config = json.loads((eagle3_dir / "config.json").read_text())
+    spec = speculate(target, "eagle3", write_head(tmp_path, config, tensors))
+    head = drafter(spec).head
+    want = eagle3_tensors()["midlayer.hidden_norm.weight"]
+    assert torch.equal(head.midlayer.hidden_norm.weight, want)
     assert generate(spec, GREEDY) == target.greedy
 
 

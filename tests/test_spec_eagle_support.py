@@ -182,6 +182,11 @@ def speculate(target: Target, method: str, head_dir, num_tokens: int = 3, **kwar
     return LLM(**engine_kwargs(target.path), **kwargs, speculative_config=config)
 
 
+def drafter(llm: LLM):
+    """The proposer next to the target (an in-process engine's)."""
+    return llm.core_client.core.executor.model_runner.drafter
+
+
 def spec_stats(llm: LLM):
     return llm.core_client.core.spec_decoding_stats
 

@@ -6,12 +6,16 @@ import torch
 import torch.nn.functional as F
 from test_spec_eagle_support import (
     GREEDY,
+    HIDDEN,
     NUM_HEADS,
     SEEDED,
+    VOCAB,
     Target,
+    drafter,
     generate,
     medusa_config,
     medusa_tensors,
+    random,
     record_drafts,
     spec_stats,
     speculate,
@@ -84,6 +88,22 @@ def _authors_name(name: str) -> str:
     if name.startswith("blocks."):
         return f"{head}.0.linear.{name.rsplit('.', 1)[1]}"
     return f"{head}.1.weight"
+
+
+def test_heads_of_a_truncated_vocabulary_draft_from_its_tokens(target, tmp_path):
+    """truncated_vocab_size heads over the tokens token_map lists, as target ids."""
+    torch.manual_seed(8)
+    token_map = torch.randperm(VOCAB)[:12].sort().values
+    tensors = medusa_tensors()
+    tensors |= {f"lm_heads.{i}.weight": random(12, HIDDEN) * 5 for i in range(NUM_HEADS)}
+    config = medusa_config(num_heads=NUM_HEADS, truncated_vocab_size=12)
+    head_dir = write_head(tmp_path, config, tensors | {"token_map": token_map})
+    spec = speculate(target, "medusa", head_dir, NUM_HEADS)
+    assert generate(spec, GREEDY) == target.greedy
+    heads = drafter(spec).heads
+    guesses = heads.draft_token_ids(torch.randn(64, HIDDEN), NUM_HEADS)
+    assert set(guesses.flatten().tolist()) <= set(token_map.tolist())
+    assert spec_stats(spec).num_draft_tokens > 0
 
 
 def test_more_drafts_than_heads_are_refused(target, medusa_dir):

@@ -11,9 +11,9 @@ the verify step accepts exactly (spec_decode.verify): no draft probabilities are
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from asyncllm.config import ModelConfig
+from asyncllm.models.eagle import Eagle3LlamaHead, EagleLlamaHead
 from asyncllm.spec_decode.draft_model import stack_drafts
 from asyncllm.spec_decode.draft_step import DraftKVCache, TargetStep, one_token_metadata
 
@@ -21,7 +21,9 @@ from asyncllm.spec_decode.draft_step import DraftKVCache, TargetStep, one_token_
 class EagleProposer:
     reads_hidden = True
 
-    def __init__(self, head: nn.Module, num_tokens: int, config: ModelConfig) -> None:
+    def __init__(
+        self, head: EagleLlamaHead | Eagle3LlamaHead, num_tokens: int, config: ModelConfig
+    ) -> None:
         self.head = head
         self.aux_layers: tuple[int, ...] = head.aux_layers
         self.num_tokens = num_tokens
