@@ -140,7 +140,7 @@ def test_draft_model_of_another_model_gives_the_same_tokens(small_vocab_dir, tmp
     assert spec_stats(spec).num_draft_tokens > 0
 
 
-def test_unsupported_methods_are_refused(tiny_model_dir):
+def test_heads_from_a_missing_folder_are_refused(tiny_model_dir):
     config = {"method": "medusa", "num_speculative_tokens": 2, "model": "heads"}
-    with pytest.raises(NotImplementedError, match="medusa"):
+    with pytest.raises(ValueError, match="'heads' does not exist"):
         LLM(model=str(tiny_model_dir), speculative_config=config)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -227,10 +227,26 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        return self.hidden_states(input_ids, positions, kv_caches, meta)[0]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        aux_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final hidden states, and the residual stream entering each of aux_layers
+        (EAGLE-3 heads read three of them)."""
         x, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        entering = {}
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in aux_layers:
+                # copies: the fused norms on CUDA add into the residual in place
+                entering[index] = x.clone() if residual is None else x + residual
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        return self.final_norm(x, residual)
+        return self.final_norm(x, residual), [entering[i] for i in aux_layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -251,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie_word_embeddings and name.startswith("lm_head")):
                 continue
-            target, shard_id = _fused_target(name)
+            target, shard_id = fused_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
@@ -272,7 +288,8 @@ class LlamaForCausalLM(nn.Module):
         return [KVCacheSpec(2, attn.num_kv_heads, attn.head_dim)] * len(self.layers)
 
 
-def _fused_target(name: str) -> tuple[str, str | int | None]:
+def fused_target(name: str) -> tuple[str, str | int | None]:
+    """The fused parameter a checkpoint tensor goes into, and its shard there."""
     for piece, (fused, shard) in _STACKED.items():
         if f".{piece}." in name:
             return name.replace(piece, fused), shard

@@ -8,19 +8,12 @@ from asyncllm.config import SpeculativeConfig
 from asyncllm.request import Request, RequestStatus
 from asyncllm.spec_decode.ngram import NgramProposer
 
-_UNSUPPORTED = ("eagle", "eagle3", "medusa")
-
 
 def create_host_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
     """The proposer the engine core runs; None where drafts come from the worker (a draft
-    model runs next to the target and returns them with each step's output)."""
-    if config is None or config.method == "draft_model":
+    model or draft heads run next to the target and return them with each step's output)."""
+    if config is None or config.method != "ngram":
         return None
-    if config.method in _UNSUPPORTED:
-        raise NotImplementedError(
-            f"speculative method {config.method!r} is not supported yet; use 'ngram' or "
-            "'draft_model'."
-        )
     return NgramProposer(config)
 
 

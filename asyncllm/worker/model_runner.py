@@ -15,11 +15,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
-from asyncllm.config import EngineConfig, ModelConfig
+from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.distributed.communication_op import tensor_model_parallel_min
 from asyncllm.layers.linear import warm_up_packed_linears
@@ -36,8 +35,9 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
-from asyncllm.spec_decode.draft_model import DraftModelProposer
+from asyncllm.spec_decode.draft_step import DraftLimits, TargetForward, target_step
 from asyncllm.spec_decode.verify import DraftVerification, verify_drafts
+from asyncllm.spec_decode.worker_proposers import load_worker_proposer
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner
@@ -129,7 +129,7 @@ class ModelRunner:
         with _stream_context(self.stream):
             backend = make_attention_backend(config.model.attention_backend)
             self.model: CausalLM = load_model(config.model, backend)
-            self.drafter = self._load_draft_model(backend)
+            self.drafter = load_worker_proposer(config, self.model, backend)
             warm_up_packed_linears(
                 self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
             )
@@ -137,7 +137,7 @@ class ModelRunner:
             self.num_blocks = tensor_model_parallel_min(self._num_kv_blocks())
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             if self.drafter is not None:
-                self.drafter.allocate_kv_caches(self.num_blocks, self.block_size)
+                self.drafter.kv_cache.allocate(self.num_blocks, self.block_size)
             self._report_kv_cache()
             self.sampler = Sampler(getattr(config.args, "logprobs_mode", "raw_logprobs"))
             self.sampling_state = SamplingState(self.device, config.model.hf_config.vocab_size)
@@ -173,12 +173,12 @@ class ModelRunner:
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
         self._forget_grammars(scheduler_output.preempted_req_ids)
         prompt_spans = self._prompt_spans(scheduler_output)
-        plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans))
+        # a proposer reading the target's hidden states needs them kept in every step
+        reads_hidden = self.drafter is not None and self.drafter.reads_hidden
+        plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans) or reads_hidden)
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
-        hidden, logits = self._forward(plan, inputs)
-        if self.drafter is not None:
-            self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
-        sampled = meta = verification = draft_token_ids = None
+        hidden, logits, aux_hidden = self._forward(plan, inputs)
+        sampled = meta = verification = draft_token_ids = next_token_ids = None
         constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows)
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
@@ -199,16 +199,19 @@ class ModelRunner:
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
             self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
-            if self.drafter is not None:
-                draft_token_ids = self._draft(
-                    scheduler_output, inputs, next_token_ids, verification
-                )
-            if verification is not None:
-                # they took several tokens: their counts restart from the host's next time
-                self.sampling_state.forget(i for i, d in zip(ids, drafts) if d)
-                verification = verification.copy_to_host()
-            else:
-                sampled = _copy_to_host(sampled)
+        if self.drafter is not None:
+            forward = TargetForward(
+                inputs.input_ids, inputs.positions, inputs.meta, hidden, aux_hidden
+            )
+            draft_token_ids = self._draft(
+                scheduler_output, inputs, forward, next_token_ids, verification
+            )
+        if verification is not None:
+            # they took several tokens: their counts restart from the host's next time
+            self.sampling_state.forget(i for i, d in zip(ids, drafts) if d)
+            verification = verification.copy_to_host()
+        elif sampled is not None:
+            sampled = _copy_to_host(sampled)
         prompt_logprobs = {}
         if prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
@@ -228,56 +231,54 @@ class ModelRunner:
             draft_token_ids,
         )
 
-    def _load_draft_model(self, backend: AttentionBackend) -> DraftModelProposer | None:
-        speculative = self.config.speculative
-        if speculative is None or speculative.method != "draft_model":
-            return None
-        args = dataclasses.replace(self.config.args, model=speculative.model)
-        draft = ModelConfig.from_args(args)
-        if draft.hf_config.vocab_size != self.config.model.hf_config.vocab_size:
-            raise ValueError("the draft model's vocabulary must be the target's.")
-        return DraftModelProposer(draft, backend, speculative.num_speculative_tokens)
-
     def _draft(
         self,
         scheduler_output: SchedulerOutput,
         inputs: StepInputs,
-        next_token_ids: torch.Tensor,
+        forward: TargetForward,
+        next_token_ids: torch.Tensor | None,
         verification: DraftVerification | None,
     ) -> list[list[int]]:
-        """The draft model's drafts after this step's tokens, per scheduled request; where the
+        """The proposer's drafts after this step's tokens, per scheduled request; where the
         request's next token sits depends on how many drafts were accepted (read here)."""
-        scheduled = [scheduler_output.scheduled[r] for r in inputs.sampling_rows]
-        accepted = [0] * len(scheduled)
+        scheduled = scheduler_output.scheduled
+        sampling = [scheduled[r] for r in inputs.sampling_rows]
+        accepted = [0] * len(sampling)
         if verification is not None:
             accepted = verification.num_accepted.tolist()
-        positions = np.array(
-            [
-                s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) + a
-                for s, a in zip(scheduled, accepted)
-            ],
-            dtype=np.int64,
-        )
         batch = self.input_batch
-        tables = batch.block_table[[batch.rows[s.request.request_id] for s in scheduled]]
-        capacity = np.array([len(s.block_ids) for s in scheduled]) * self.block_size
-        room = np.minimum(capacity, self.config.model.max_model_len) - positions
-        limits = np.clip(room, 0, self.drafter.num_tokens)
-        drafts = self.drafter.propose(next_token_ids, positions, tables, limits)
-        per_request: list[list[int]] = [[] for _ in scheduler_output.scheduled]
-        for row, row_drafts in zip(inputs.sampling_rows, drafts):
+        tables = batch.block_table[[batch.rows[s.request.request_id] for s in sampling]]
+        limits = DraftLimits(
+            self.block_size,
+            self.config.model.max_model_len,
+            self.config.speculative.num_speculative_tokens,
+        )
+        step = target_step(
+            forward, scheduled, inputs.sampling_rows, next_token_ids, accepted, tables, limits
+        )
+        per_request: list[list[int]] = [[] for _ in scheduled]
+        for row, row_drafts in zip(inputs.sampling_rows, self.drafter.draft(step)):
             per_request[row] = row_drafts
         return per_request
 
     def _forward(
         self, plan: StepPlan, inputs: StepInputs
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(hidden states, logits of the sampling rows); a pure-decode step keeps no hidden
-        states."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+        """(hidden states, logits of the sampling rows, the states entering the layers an
+        EAGLE-3 head reads); a pure-decode step keeps no hidden states."""
+        aux_layers = self._aux_layers()
+        if aux_layers:  # read inside the model: these steps run eagerly
+            hidden, aux = self.model.hidden_states(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, aux_layers
+            )
+            return hidden, self.model.compute_logits(hidden[inputs.logits_indices]), aux
         output = self._model_output(plan, inputs)
         if plan.pure_decode:
-            return None, output[inputs.logits_indices]
-        return output, self.model.compute_logits(output[inputs.logits_indices])
+            return None, output[inputs.logits_indices], []
+        return output, self.model.compute_logits(output[inputs.logits_indices]), []
+
+    def _aux_layers(self) -> tuple[int, ...]:
+        return () if self.drafter is None else self.drafter.aux_layers
 
     def _model_output(self, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
         """What the plan's runner computes: for a pure-decode step the logits of every row, as
@@ -314,7 +315,7 @@ class ModelRunner:
             scheduler.max_num_seqs,
             scheduler.max_num_batched_tokens,
             backend.max_short_step_tokens,
-            graphs=not model.enforce_eager,
+            graphs=not model.enforce_eager and not self._aux_layers(),
         )
 
     def _capture_graphs(self) -> dict[StepRunner, GraphRunner]:
@@ -359,7 +360,7 @@ class ModelRunner:
         dtype = self._kv_cache_dtype()
         size = sum(spec.block_bytes(self.block_size, dtype) for spec in self.model.kv_cache_specs)
         if self.drafter is not None:
-            size += self.drafter.bytes_per_block(self.block_size)
+            size += self.drafter.kv_cache.bytes_per_block(self.block_size)
         return size
 
     def _num_kv_blocks(self) -> int:

@@ -1,0 +1,37 @@
+"""The proposers that run next to the target in the worker: a draft model, EAGLE / EAGLE-3
+heads, Medusa heads. Each drafts with draft(TargetStep) after every step and keeps its KV
+cache (kv_cache, empty for Medusa) in the target's block pool; reads_hidden and aux_layers say
+which of the target's hidden states it reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from asyncllm.attention.backend import AttentionBackend
+from asyncllm.config import EngineConfig, ModelConfig
+from asyncllm.models.draft_heads import load_draft_head
+from asyncllm.spec_decode.draft_model import DraftModelProposer
+from asyncllm.spec_decode.eagle import EagleProposer
+from asyncllm.spec_decode.medusa import MedusaProposer
+
+WorkerProposer = DraftModelProposer | EagleProposer | MedusaProposer
+
+
+def load_worker_proposer(
+    config: EngineConfig, target: nn.Module, backend: AttentionBackend
+) -> WorkerProposer | None:
+    speculative = config.speculative
+    if speculative is None or speculative.method == "ngram":
+        return None
+    num_tokens = speculative.num_speculative_tokens
+    if speculative.method == "draft_model":
+        draft = ModelConfig.from_args(dataclasses.replace(config.args, model=speculative.model))
+        if draft.hf_config.vocab_size != config.model.hf_config.vocab_size:
+            raise ValueError("the draft model's vocabulary must be the target's.")
+        return DraftModelProposer(draft, backend, num_tokens)
+    head = load_draft_head(speculative.method, speculative.model, target, config.model, backend)
+    if speculative.method == "medusa":
+        return MedusaProposer(head, num_tokens, config.model)
+    return EagleProposer(head, num_tokens, config.model)
