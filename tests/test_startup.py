@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from asyncllm.attention.torch_backend import TorchAttentionBackend
@@ -50,3 +51,32 @@ def test_the_cpu_embedding_reads_its_rows_from_the_checkpoint_file(tiny_model_di
     # the tied lm_head keeps its own packed copy and gives the same logits as the embedding
     hidden = torch.randn(3, expected.shape[1])
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ expected.T)
+
+
+def test_a_converted_gguf_config_reads_as_its_model_config_class_would(default_model_dir) -> None:
+    """Read without LlamaConfig (whose import pulls in torch.distributed.tensor), the config the
+    converter wrote gives every field the model reads as LlamaConfig does."""
+    config = ModelConfig.from_args(EngineArgs(model=str(default_model_dir), device="cpu"))
+    reference = transformers.AutoConfig.from_pretrained(default_model_dir)
+    assert type(config.hf_config) is not type(reference)
+    for name in (
+        "model_type",
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "vocab_size",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "bos_token_id",
+        "eos_token_id",
+    ):
+        assert getattr(config.hf_config, name) == getattr(reference, name), name
