@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from asyncllm.model_files.generation_config import sampling_defaults
+from asyncllm.model_files.gguf_convert import complete_config
 from asyncllm.model_files.model_path import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -281,6 +282,9 @@ class EngineConfig:
 
 
 def _load_hf_config(path: Path) -> PretrainedConfig:
+    written = complete_config(path)  # a converted GGUF's, which needs no model config class
+    if written is not None:
+        return PretrainedConfig.from_dict(written)
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:

@@ -148,6 +148,12 @@ class TorchAttentionBackend:
         self._step_meta: AttentionMetadata | None = None
         self._step_cache: dict[str, Any] = {}
 
+    def build_cpu_kernel(self) -> None:
+        """Builds and loads the C++ decode kernel now (a compile on a fresh install, about 1 s
+        of checks once built) instead of in the first decode step."""
+        if self.use_cpu_kernel:
+            cpu_decode_attention_available()
+
     def prepare_qkv(
         self,
         qkv: torch.Tensor,

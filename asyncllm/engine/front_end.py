@@ -23,7 +23,7 @@ class FrontEnd:
         self.config = args.create_engine_config()
         # built here so that a bad --override-generation-config fails before the model loads
         self._default_sampling_params = SamplingParams(**self.config.model.sampling_defaults)
-        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.tokenizer = load_tokenizer(self.config.model)
         self.input_processor = InputProcessor(self.config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         own_process = core_process_allowed and self.config.engine_process

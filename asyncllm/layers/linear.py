@@ -403,24 +403,30 @@ def silu_and_mul_linear(linear: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return linear(silu_and_mul(x))
 
 
-# Row counts past this are left to be built when first met: such a GEMM takes far longer than
-# its build (0.7 ms), a server meets few of their sizes, and warming them too took SmolLM2's
-# start-up from 4.6 to 5.7 s at a budget of 8,192 tokens (more with larger budgets).
-WARM_UP_MAX_ROWS = 2048
+# Row counts past these are left to be built when first met: such a GEMM takes far longer than
+# its build (0.7 ms) and a server meets few of their sizes, while warming them costs their
+# GEMMs' time. SmolLM2's warm-up to 2,048 rows (lm_head 256) took 7.8 s of one core, 4.1 of
+# them in the lm_head's 48 sizes of 49,152 outputs; to 512 and 64 it takes 2.2 s, and the 80
+# sizes left out can add about 45 MiB as a server meets them (0.6 MiB each).
+WARM_UP_MAX_ROWS = 512
+WARM_UP_MAX_HEAD_ROWS = 64
 
 
 @torch.inference_mode()
 def warm_up_packed_linears(model: nn.Module, max_rows: int, max_head_rows: int) -> None:
     """Run each oneDNN-packed weight's GEMM once at every padded row count it can meet, up to
-    WARM_UP_MAX_ROWS (the lm_head sees one row per request sampled). oneDNN builds a kernel per
-    shape and row count and keeps it, about 0.6 MiB and 0.7 ms each on SmolLM2's shapes: built
-    here, that memory is taken at start-up instead of growing with each new batch size a server
-    meets, and no step waits for a build. It adds about 1.4 s to SmolLM2's start-up here."""
+    WARM_UP_MAX_ROWS (the lm_head, which sees one row per request sampled, up to
+    WARM_UP_MAX_HEAD_ROWS). oneDNN builds a kernel per shape and row count and keeps it, about
+    0.6 MiB and 0.7 ms each on SmolLM2's shapes: built here, that memory is taken at start-up
+    instead of growing with each new batch size a server meets, and no step waits for a build."""
     warmed = set()
     for name, module in model.named_modules():
         if not getattr(module, "onednn_packed", False):
             continue
-        limit = min(max_head_rows if name == "lm_head" else max_rows, WARM_UP_MAX_ROWS)
+        if name == "lm_head":
+            limit = min(max_head_rows, WARM_UP_MAX_HEAD_ROWS)
+        else:
+            limit = min(max_rows, WARM_UP_MAX_ROWS)
         rows_in = module.input_size_per_partition
         shape = (rows_in, module.output_size_per_partition, module.rank_bias is not None, limit)
         if shape in warmed:

@@ -34,7 +34,11 @@ from asyncllm.model_files.gguf_moe import (
 )
 
 # Bump when the folder layout or contents change, so stale cached folders are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+# config.json's mark of a config written whole here: every field the model reads is in it, so
+# it is read without its model's config class (transformers' LlamaConfig import took 2.5 s of
+# the server's start-up, most of it in torch.distributed.tensor, which it imports)
+COMPLETE_CONFIG_KEY = "asyncllm_complete_config"
 CACHE_ENV_VAR = "ASYNCLLM_CACHE_DIR"
 
 _ARCHITECTURES = ("llama", "qwen3moe", "deepseek2")
@@ -326,7 +330,17 @@ def hf_config(info: GGUFModelInfo) -> dict[str, Any]:
         "pad_token_id": info.pad_token_id,
         "torch_dtype": "float32",
         "dtype": "float32",
+        COMPLETE_CONFIG_KEY: True,
     }
+
+
+def complete_config(folder: Path) -> dict[str, Any] | None:
+    """The folder's config.json when this converter wrote it (COMPLETE_CONFIG_KEY), else None."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    return config if config.get(COMPLETE_CONFIG_KEY) is True else None
 
 
 def generation_config(info: GGUFModelInfo) -> dict[str, Any]:

@@ -202,10 +202,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         index: int,
         quant_config: QuantizationConfig | None,
     ) -> nn.Module:
-        # one cos/sin cache for every layer: V2-Lite's is 163,840 positions x 64
-        if index == 0:
-            self.rotary = mla_rotary(config)
         return DeepseekV2DecoderLayer(config, backend, self.rotary, index, quant_config)
+
+    def make_rotary(self, config: PretrainedConfig) -> RotaryEmbedding:
+        return mla_rotary(config)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         loaded: set[str] = set()

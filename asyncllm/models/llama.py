@@ -42,6 +42,7 @@ class Attention(nn.Module):
         self,
         config: PretrainedConfig,
         backend: AttentionBackend,
+        rotary: RotaryEmbedding,
         qk_norm: bool,
         quant_config: QuantizationConfig | None,
         prefix: str,
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.head_dim = head_dim(config)
         self.scale = self.head_dim**-0.5
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(
@@ -71,13 +72,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(
-            self.head_dim,
-            config.max_position_embeddings,
-            getattr(config, "rope_theta", None)
-            or _rope_parameters(config).get("rope_theta", 10000.0),
-            _rope_scaling(config),
-        )
+        self.rotary = rotary
         self.backend = backend
 
     def prepare_qkv(
@@ -100,6 +95,19 @@ class Attention(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.backend.attend(query, kv_cache, meta, self.scale, out)
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def llama_rotary(config: PretrainedConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(
+        head_dim(config),
+        config.max_position_embeddings,
+        getattr(config, "rope_theta", None) or _rope_parameters(config).get("rope_theta", 10000.0),
+        _rope_scaling(config),
+    )
 
 
 class MLP(nn.Module):
@@ -138,13 +146,16 @@ class DecoderLayer(PiecewiseDecoderLayer):
         self,
         config: PretrainedConfig,
         backend: AttentionBackend,
+        rotary: RotaryEmbedding,
         qk_norm: bool,
         quant_config: QuantizationConfig | None,
         prefix: str,
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, qk_norm, quant_config, f"{prefix}.self_attn")
+        self.self_attn = Attention(
+            config, backend, rotary, qk_norm, quant_config, f"{prefix}.self_attn"
+        )
         if mlp is None:
             mlp = MLP(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
         self.mlp = mlp
@@ -200,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, prefix="model.embed_tokens"
         )
+        # one cos/sin cache for every layer: SmolLM2's 30 copies took 60 MiB and 1.6 s to build
+        self.rotary = self.make_rotary(config)
         self.layers = nn.ModuleList(
             self.make_layer(config, backend, i, quant_config)
             for i in range(config.num_hidden_layers)
@@ -218,7 +231,11 @@ class LlamaForCausalLM(nn.Module):
         quant_config: QuantizationConfig | None,
     ) -> nn.Module:
         qk_norm = config.model_type == "qwen3"
-        return DecoderLayer(config, backend, qk_norm, quant_config, f"model.layers.{index}")
+        prefix = f"model.layers.{index}"
+        return DecoderLayer(config, backend, self.rotary, qk_norm, quant_config, prefix)
+
+    def make_rotary(self, config: PretrainedConfig) -> RotaryEmbedding:
+        return llama_rotary(config)
 
     def forward(
         self,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -15,6 +18,7 @@ from asyncllm.config import ModelConfig
 from asyncllm.layers.linear import LinearBase, LoadedWeight, process_weights_after_loading
 from asyncllm.layers.quantization import QuantizationConfig, get_quantization_config
 from asyncllm.layers.quantization.base import UnquantizedLinearMethod
+from asyncllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from asyncllm.models.registry import get_model_class
 
 
@@ -34,6 +38,8 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     _cast_unquantized(model, config.dtype)
     model.eval()
     process_weights_after_loading(model)
+    if config.load_format != "dummy" and config.device.type == "cpu":
+        map_embeddings_from_files(model, config.path)
     return model
 
 
@@ -79,6 +85,48 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, LoadedWeight]]:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_slice(name)
+
+
+# safetensors dtype names -> the numpy dtype of the same bytes and the torch dtype they hold
+_MAPPED_DTYPES = {
+    "F32": (np.float32, torch.float32),
+    "F16": (np.float16, torch.float16),
+    "BF16": (np.uint16, torch.bfloat16),
+}
+
+
+def map_embeddings_from_files(model: nn.Module, folder: Path) -> None:
+    """On CPU an input embedding stored whole in the model's dtype reads its rows from the
+    checkpoint's pages (a private mapping) instead of a copy: only the rows of the tokens met
+    become resident, and the kernel may drop them again. SmolLM2's tied embedding was otherwise
+    held twice, dense (113 MB) beside the lm_head's oneDNN-packed copy. Done after the packing,
+    which reads every row."""
+    for module in model.modules():
+        if not isinstance(module, VocabParallelEmbedding):
+            continue
+        mapped = mapped_tensor(folder, f"{module.prefix}.weight")
+        weight = module.weight
+        if mapped is not None and (mapped.shape, mapped.dtype) == (weight.shape, weight.dtype):
+            weight.data = mapped
+
+
+def mapped_tensor(folder: Path, name: str) -> torch.Tensor | None:
+    """The checkpoint tensor `name` as a copy-on-write view of its file; None when no file of
+    the folder holds it, or in a dtype this does not map."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            entry = json.loads(f.read(header_size)).get(name)
+        if entry is None:
+            continue
+        if entry["dtype"] not in _MAPPED_DTYPES:
+            return None
+        np_dtype, dtype = _MAPPED_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        count = (end - begin) // np.dtype(np_dtype).itemsize
+        array = np.memmap(file, np_dtype, mode="c", offset=8 + header_size + begin, shape=count)
+        return torch.from_numpy(array).view(dtype).view(entry["shape"])
+    return None
 
 
 @torch.no_grad()

@@ -101,7 +101,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             routing,
             f"{prefix}.mlp",
         )
-        return MoeDecoderLayer(config, backend, False, quant_config, prefix, mlp=moe)
+        return MoeDecoderLayer(config, backend, self.rotary, False, quant_config, prefix, mlp=moe)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         loaded: set[str] = set()

@@ -23,7 +23,7 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
     ) -> nn.Module:
         prefix = f"model.layers.{index}"
         if not _is_sparse(config, index):
-            return DecoderLayer(config, backend, True, quant_config, prefix)
+            return DecoderLayer(config, backend, self.rotary, True, quant_config, prefix)
         routing = RoutingConfig(
             top_k=config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob)
         )
@@ -34,7 +34,7 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
             routing,
             f"{prefix}.mlp",
         )
-        return MoeDecoderLayer(config, backend, True, quant_config, prefix, mlp=moe)
+        return MoeDecoderLayer(config, backend, self.rotary, True, quant_config, prefix, mlp=moe)
 
 
 def _is_sparse(config: PretrainedConfig, index: int) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,18 @@ def make_attention_backend(name: str) -> AttentionBackend:
 
         return TritonAttentionBackend()
     raise ValueError(f"attention_backend must be torch, triton or auto; got {name!r}.")
+
+
+def start_kernel_build(backend: AttentionBackend, device: torch.device) -> threading.Thread | None:
+    """The CPU decode kernel's build in a thread beside the model's load (the compiler and ninja
+    run on another core): the first request waited for it, 15 s on a fresh install."""
+    from asyncllm.attention.torch_backend import TorchAttentionBackend
+
+    if device.type != "cpu" or not isinstance(backend, TorchAttentionBackend):
+        return None
+    thread = threading.Thread(target=backend.build_cpu_kernel, name="kernel-build", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass
@@ -128,11 +141,14 @@ class ModelRunner:
         # goes to no other stream (another engine's) while this one may still use it
         with _stream_context(self.stream):
             backend = make_attention_backend(config.model.attention_backend)
+            kernel_build = start_kernel_build(backend, self.device)
             self.model: CausalLM = load_model(config.model, backend)
             self.drafter = load_worker_proposer(config, self.model, backend)
             warm_up_packed_linears(
                 self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
             )
+            if kernel_build is not None:
+                kernel_build.join()
             # every rank's cache holds the same blocks: the scheduler sees one block table
             self.num_blocks = tensor_model_parallel_min(self._num_kv_blocks())
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
