@@ -27,15 +27,22 @@ from asyncllm.layers.linear import (
     default_weight_loader,
 )
 from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncllm.models.llama import DecoderLayer, LlamaForCausalLM, fused_target
+from asyncllm.models.llama import DecoderLayer, LlamaForCausalLM, fused_target, llama_rotary
 
 
 class _FirstEagleLayer(DecoderLayer):
     """EAGLE's first layer reads the fc's output with no input norm."""
 
-    def __init__(self, config: LlamaConfig, backend: AttentionBackend, prefix: str) -> None:
-        super().__init__(config, backend, False, None, prefix)
+    def __init__(
+        self,
+        config: LlamaConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        prefix: str,
+    ) -> None:
+        super().__init__(config, backend, rotary, False, None, prefix)
         del self.input_layernorm
 
     def before_attention(
@@ -54,8 +61,14 @@ class _Eagle3Layer(DecoderLayer):
     """EAGLE-3's layer: its attention reads the normed embedding and hidden state side by
     side (2H); the residual stream starts from the hidden state."""
 
-    def __init__(self, config: LlamaConfig, backend: AttentionBackend, prefix: str) -> None:
-        super().__init__(config, backend, False, None, prefix)
+    def __init__(
+        self,
+        config: LlamaConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        prefix: str,
+    ) -> None:
+        super().__init__(config, backend, rotary, False, None, prefix)
         attn = self.self_attn
         attn.qkv_proj = QKVParallelLinear(
             2 * config.hidden_size,
@@ -155,9 +168,10 @@ class EagleLlamaHead(_HeadBase):
         super().__init__(config, target, tensor_names, config.vocab_size, config.vocab_size)
         hidden = config.hidden_size
         self.fc = ReplicatedLinear(2 * hidden, hidden, bias="fc.bias" in tensor_names, prefix="fc")
-        first = _FirstEagleLayer(config, backend, "layers.0")
+        rotary = llama_rotary(config)
+        first = _FirstEagleLayer(config, backend, rotary, "layers.0")
         rest = [
-            DecoderLayer(config, backend, False, None, f"layers.{i}")
+            DecoderLayer(config, backend, rotary, False, None, f"layers.{i}")
             for i in range(1, config.num_hidden_layers)
         ]
         self.layers = nn.ModuleList([first, *rest])
@@ -195,7 +209,7 @@ class Eagle3LlamaHead(_HeadBase):
         hidden = config.hidden_size
         target_hidden = getattr(config, "target_hidden_size", None) or hidden
         self.fc = ReplicatedLinear(3 * target_hidden, hidden, bias=False, prefix="fc")
-        self.midlayer = _Eagle3Layer(config, backend, "midlayer")
+        self.midlayer = _Eagle3Layer(config, backend, llama_rotary(config), "midlayer")
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.decoder_layers = [self.midlayer]
         self.aux_layers = aux_layers  # the target layers whose input states it reads
