@@ -51,6 +51,7 @@ _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
 _GRAPH_KINDS = {
     StepRunner.DECODE_GRAPH: DecodeGraphs,
     StepRunner.SHORT_STEP_GRAPH: ShortStepGraphs,
+    StepRunner.VERIFY_GRAPH: ShortStepGraphs,  # at the uniform verify steps' sizes
     StepRunner.PIECEWISE_GRAPHS: PiecewiseGraphs,
 }
 
@@ -315,6 +316,7 @@ class ModelRunner:
             scheduler.max_num_batched_tokens,
             backend.max_short_step_tokens,
             graphs=not model.enforce_eager,
+            num_speculative_tokens=scheduler.num_lookahead_tokens,
         )
 
     def _capture_graphs(self) -> dict[StepRunner, GraphRunner]:
