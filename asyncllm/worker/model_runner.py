@@ -37,7 +37,7 @@ from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
 from asyncllm.spec_decode.draft_model import DraftModelProposer
-from asyncllm.spec_decode.verify import DraftVerification, verify_drafts
+from asyncllm.spec_decode.verify import DraftVerification, counts_moved_on, verify_drafts
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
 from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner
@@ -205,8 +205,8 @@ class ModelRunner:
                     scheduler_output, inputs, next_token_ids, verification
                 )
             if verification is not None:
-                # they took several tokens: their counts restart from the host's next time
-                self.sampling_state.forget(i for i, d in zip(ids, drafts) if d)
+                rows = (scheduler_output.scheduled[r].request for r in inputs.sampling_rows)
+                self.sampling_state.forget(counts_moved_on(rows, drafts))
                 verification = verification.copy_to_host()
             else:
                 sampled = _copy_to_host(sampled)
