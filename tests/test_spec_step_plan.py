@@ -1,12 +1,16 @@
 """The plans of verify steps: uniform ones (every request a token and k drafts) pad to a batch
 size of their own and replay a graph of b x (k + 1) tokens; the others take the ladder."""
 
+import torch
+
 from asyncllm.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from asyncllm.request import Request
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.step_plan import StepPlan, StepPlanner, StepRunner, verify_batch_sizes
 
 K = 4
+CPU = torch.device("cpu")
 PLANNER = StepPlanner.from_limits(
     max_num_seqs=256,
     max_num_tokens=2048,
@@ -71,3 +75,17 @@ def test_every_verify_plan_has_its_graph_captured() -> None:
     assert len({p.num_tokens for p in captured}) == len(captured)
     for n in range(1, 153):
         assert PLANNER.plan(verify_step(*[K] * n), False) in captured
+
+
+def test_a_padded_verify_step_scores_every_real_row_and_pads_with_empty_requests() -> None:
+    batch = InputBatch(
+        max_num_reqs=8, max_num_tokens=64, max_model_len=64, block_size=4, device=CPU
+    )
+    out = verify_step(K, K, K)
+    inputs = batch.prepare(out, PLANNER.plan(out, False))
+    assert inputs.padded_tokens == 20
+    assert inputs.meta.query_start_loc.tolist() == [0, 5, 10, 15, 15]
+    assert inputs.meta.seq_lens.tolist() == [14, 14, 14, 0]
+    assert batch.slot_mapping.np[15:20].tolist() == [-1] * 5
+    assert inputs.logits_indices.tolist() == list(range(15))
+    assert inputs.input_ids[:5].tolist() == [19, 30, 31, 32, 33]
