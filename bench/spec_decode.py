@@ -6,10 +6,10 @@ the target's greedy tokens are known whatever the dummy weights and the bf16 rou
 step's shape (random weights leave top logits so close that a verify step's rounding would
 flip some), every request carries a logit bias that makes one token its greedy choice; the
 engine without speculation runs the same requests. Against that engine in the same run: output
-tokens/s at batch 1 and batch 32, the mean tokens a verify step gives each request, and the
-verify step's time over a plain decode step's (engine steps counted at the executor), beside
-their floors: a decode step reads the weights once; a verify step too, and computes
-1 + num_speculative_tokens tokens a request.
+tokens/s at batch 1 and batch 32, the mean tokens a verify step gives each request, the verify
+step's time over a plain decode step's (engine steps counted at the executor) beside their
+floors (a decode step reads the weights once; a verify step too, and computes
+1 + num_speculative_tokens tokens a request), and the verify graphs replayed, by size.
 
     python bench/spec_decode.py --shape llama-3.1-8b --out bench/results/spec_decode_h200.json
 """
@@ -17,6 +17,7 @@ their floors: a decode step reads the weights once; a verify step too, and compu
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import platform
@@ -35,6 +36,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 
 from asyncllm import LLM, SamplingParams  # noqa: E402
 from asyncllm.models.shapes import SHAPES, write_shape  # noqa: E402
+from asyncllm.worker.step_plan import StepRunner  # noqa: E402
 from bench.throughput import copy_bandwidth, matmul_rate, weight_count  # noqa: E402
 
 GREEDY_TOKEN = 1234  # every request's greedy choice, by its logit bias
@@ -66,6 +68,16 @@ def count_steps(llm: LLM) -> list[int]:
 
     executor.execute_model = counted
     return steps
+
+
+def count_graph_replays(llm: LLM, runner: StepRunner) -> collections.Counter:
+    """Token count -> replays of the runner's graphs from now on (empty where it has none)."""
+    replays: collections.Counter = collections.Counter()
+    graphs = llm.core_client.core.executor.model_runner.graphs.get(runner)
+    if graphs is not None:
+        run = graphs.run
+        graphs.run = lambda size, meta: replays.update([size]) or run(size, meta)
+    return replays
 
 
 def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list]:
@@ -142,7 +154,10 @@ def main() -> None:
         spec.core_client.core.proposer = ReplayProposer(k, args.acceptance, seed=batch)
         stats = spec.core_client.core.spec_decoding_stats
         before = stats.snapshot()
+        replays = count_graph_replays(spec, StepRunner.VERIFY_GRAPH)
         drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
+        # token count -> verify steps that replayed a verify graph of that size
+        drafted["verify_graph_replays"] = {str(k): v for k, v in sorted(replays.items())}
         num_drafts = stats.num_drafts - before.num_drafts
         accepted = stats.num_accepted_tokens - before.num_accepted_tokens
         drafted["mean_acceptance_length"] = 1 + accepted / max(num_drafts, 1)

@@ -2,7 +2,9 @@
 Instruct), greedy, on a workload whose answers copy from their prompts (editing, extraction,
 summaries that quote). Batch 1 (one request at a time) and batch 8 (all together); output
 tokens/s of each, the speedup, the mean acceptance length (tokens a verify step gives a
-request), and whether the tokens are the same with and without speculation.
+request), the engine steps and a step's time (a verify step's over a decode step's: the
+speedup is the acceptance length over that ratio), and whether the tokens are the same with
+and without speculation.
 
     python bench/spec_ngram_cpu.py --out bench/results/spec_ngram_cpu.json
 """
@@ -25,6 +27,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from asyncllm import LLM, SamplingParams  # noqa: E402
+from bench.spec_decode import count_steps  # noqa: E402
 
 PARAGRAPH = (
     "The commitee met on tuesday to discus the new budjet. Members agreed that the library "
@@ -55,14 +58,16 @@ TASKS = [
 ]
 
 
-def run(llm: LLM, batch: int, params: SamplingParams) -> tuple[float, list[list[int]]]:
+def run(llm: LLM, batch: int, params: SamplingParams) -> tuple[float, int, list[list[int]]]:
+    """Seconds, engine steps, and each task's tokens."""
     conversations = [[{"role": "user", "content": task}] for task in TASKS]
+    steps = count_steps(llm)
     start = time.perf_counter()
     outputs = []
     for i in range(0, len(conversations), batch):
         outputs += llm.chat(conversations[i : i + batch], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+    return seconds, len(steps), [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def main() -> None:
@@ -93,8 +98,8 @@ def main() -> None:
     for batch in args.batch_sizes:
         stats = spec.core_client.core.spec_decoding_stats
         before = stats.snapshot()
-        base_s, base_tokens = run(plain, batch, params)
-        spec_s, spec_tokens = run(spec, batch, params)
+        base_s, base_steps, base_tokens = run(plain, batch, params)
+        spec_s, spec_steps, spec_tokens = run(spec, batch, params)
         num_drafts = stats.num_drafts - before.num_drafts
         accepted = stats.num_accepted_tokens - before.num_accepted_tokens
         tokens = sum(len(t) for t in base_tokens)
@@ -105,6 +110,9 @@ def main() -> None:
             "speedup": base_s / spec_s,
             "mean_acceptance_length": 1 + accepted / max(num_drafts, 1),
             "draft_acceptance_rate": accepted / max(stats.num_draft_tokens - before.num_draft_tokens, 1),
+            "engine_steps": {"no_speculation": base_steps, "ngram": spec_steps},
+            # prompt steps included in both, as few in each
+            "step_ms_over_no_speculation": (spec_s / spec_steps) / (base_s / base_steps),
             "same_tokens_as_without": spec_tokens == base_tokens,
         }  # fmt: skip
         r = runs[str(batch)]

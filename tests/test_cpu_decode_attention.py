@@ -113,6 +113,8 @@ def step(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor) -> At
     [
         ([1] * 6, [70, 1, 129, 16, 33, 250]),  # pure decode
         ([1, 17, 1, 1, 5, 1], [40, 17, 1, 129, 33, 70]),  # decodes around prompt chunks
+        ([5, 5, 1, 5], [5, 40, 9, 250]),  # verify steps: each query row a decode row
+        ([16, 17, 2], [16, 80, 130]),  # the longest query the kernel takes, and one past it
     ],
 )
 def test_backend_with_kernel_matches_its_torch_paths(

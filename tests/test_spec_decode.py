@@ -73,6 +73,31 @@ def test_ngram_greedy_matches_with_async_scheduling(small_vocab_dir):
     assert spec_stats(spec).num_accepted_tokens > 0
 
 
+def test_speculating_with_async_scheduling_launches_the_next_step_before_returning(
+    small_vocab_dir,
+):
+    """A step is not scheduled ahead of the verify step before it, but it is launched as soon
+    as that step's output is taken in: the device runs it while the front end takes in the
+    outputs."""
+    spec = LLM(
+        model=str(small_vocab_dir), max_model_len=256, async_scheduling=True,
+        speculative_config=NGRAM,
+    )  # fmt: skip
+    core = spec.core_client.core
+    take_step, in_flight = core.step, []
+
+    def step():
+        taken = take_step()
+        if core.scheduler.has_unfinished_requests():
+            in_flight.append(len(core._in_flight))
+        return taken
+
+    core.step = step
+    generate(spec, SMALL_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert spec_stats(spec).num_drafts > 0
+    assert in_flight and all(n >= 1 for n in in_flight)
+
+
 @pytest.mark.parametrize(
     "settings",
     [

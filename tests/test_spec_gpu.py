@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.worker.step_plan import StepRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,3 +63,34 @@ def test_speculation_gives_the_same_tokens_on_the_gpu(engines, n, settings):
     assert got == want
     assert stats.num_accepted_tokens > before
     assert spec.config.async_scheduling
+
+
+def verify_replays(llm: LLM) -> list[int]:
+    """The token counts of the verify graphs the engine replays from now on."""
+    runner = llm.core_client.core.executor.model_runner
+    graphs = runner.graphs.get(StepRunner.VERIFY_GRAPH)
+    replays: list[int] = []
+    if graphs is not None:
+        real = graphs.run
+        graphs.run = lambda size, meta: replays.append(size) or real(size, meta)
+    return replays
+
+
+@pytest.mark.parametrize("n,graph_tokens", [(1, 5), (3, 20)])
+def test_verify_graphs_give_the_eager_verify_steps_logits(small_vocab_dir, n, graph_tokens):
+    """Uniform verify steps replay graphs of b x (k + 1) tokens (5 at batch 1, not the
+    ladder's 64); eager runs pad them the same way: the same tokens and logprobs, bit for bit."""
+    kwargs = dict(model=str(small_vocab_dir), kv_cache_memory=1 << 28, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(**kwargs, enforce_eager=eager, speculative_config=NGRAM)
+        replays = verify_replays(llm)
+        outputs = llm.generate(prompts(n), params, use_tqdm=False)
+        results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        if not eager:
+            runner = llm.core_client.core.executor.model_runner
+            sizes = runner.graphs[StepRunner.VERIFY_GRAPH].sizes
+        llm.core_client.shutdown()
+    assert graph_tokens in replays and set(replays) <= set(sizes)
+    assert results[False] == results[True]

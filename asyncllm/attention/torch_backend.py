@@ -116,26 +116,38 @@ def decode_groups(meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]
     return groups
 
 
+# a query of up to this many rows (a verify step's token and drafts) goes to the decode kernel
+# row by row: each row rereads the request's context in place, which on CPU costs less than
+# gathering it once and repeating it per query head for SDPA (in a CPU profile of SmolLM2 with
+# n-gram drafts that path was most of a verify step's extra time); row i then attends exactly
+# as the decode step at its position does
+MAX_QUERY_AS_DECODES = 16
+
+
 @dataclass
 class DecodeRows:
-    """The one-token requests of a mixed step, as a decode batch of their own."""
+    """The short-query requests of a step, every query row a decode row of its own."""
 
     requests: set[int]
     rows: torch.Tensor  # int64: their query rows
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # each row's request's
+    seq_lens: torch.Tensor  # each row's context: up to and including its own position
 
 
 def decode_rows(meta: AttentionMetadata) -> DecodeRows:
-    requests = [r for r, n in enumerate(meta.query_lens_cpu) if n == 1]
-    starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
+    lens = meta.query_lens_cpu
+    requests = [r for r, n in enumerate(lens) if n <= MAX_QUERY_AS_DECODES]
+    starts = [0, *itertools.accumulate(lens)]
+    owners = [r for r in requests for _ in range(lens[r])]
+    rows = [starts[r] + i for r in requests for i in range(lens[r])]
+    seq_lens = [meta.seq_lens_cpu[r] - lens[r] + 1 + i for r in requests for i in range(lens[r])]
     device = meta.block_tables.device
-    index = torch.tensor(requests, dtype=torch.int64, device=device)
+    index = torch.tensor(owners, dtype=torch.int64, device=device)
     return DecodeRows(
         requests=set(requests),
-        rows=torch.tensor([starts[r] for r in requests], dtype=torch.int64, device=device),
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
         block_tables=meta.block_tables.index_select(0, index),
-        seq_lens=meta.seq_lens.index_select(0, index),
+        seq_lens=torch.tensor(seq_lens, dtype=meta.seq_lens.dtype, device=device),
     )
 
 
@@ -195,7 +207,8 @@ class TorchAttentionBackend:
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """Prompt rows one request at a time; decode rows together in the kernel when it runs."""
+        """Prompt rows one request at a time; the rows of short queries together in the kernel
+        when it runs."""
         decodes = (
             self._per_step(meta, "decode_rows", decode_rows)
             if self._kernel_runs(query, kv_cache)

@@ -145,19 +145,26 @@ class EngineCore:
         """Launches steps until `depth` are in flight (or nothing more can be scheduled), then
         finishes the oldest, blocking this thread until its output is on the host."""
         self._admit_compiled()
-        while len(self._in_flight) < self.depth and (launched := self._launch()) is not None:
-            self._in_flight.append(launched)
+        self._launch_more()
         outputs, self._grammar_failures = self._grammar_failures, []
         num_tokens: list[int] = []
         if self._in_flight:
             finished = self._in_flight.popleft()
             outputs += self._finish(finished)
             num_tokens = [finished.scheduler_output.total_num_scheduled_tokens]
+            # speculating, a step is not scheduled ahead of the one before (its drafts follow
+            # that step's tokens): launched here, it runs while the front end takes these in
+            if self.config.speculative is not None and self.depth > 1 and not self._in_flight:
+                self._launch_more()
         elif self._compiling and not outputs:
             grammars = [c.grammar for c in self._compiling.values()]
             concurrent.futures.wait(grammars, _GRAMMAR_POLL_S, concurrent.futures.FIRST_COMPLETED)
         first_scheduled, self._first_scheduled = self._first_scheduled, {}
         return CoreStep(outputs, self.stats(), self.has_work(), first_scheduled, num_tokens)
+
+    def _launch_more(self) -> None:
+        while len(self._in_flight) < self.depth and (launched := self._launch()) is not None:
+            self._in_flight.append(launched)
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv_cache_manager

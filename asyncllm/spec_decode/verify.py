@@ -14,12 +14,16 @@ so their rows have one position each and keep their metadata as it is.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncllm.core.scheduler_output import VerifiedTokens
 from asyncllm.outputs import TokenLogprobs
+from asyncllm.request import Request
 from asyncllm.sample.logprobs import LogprobsTensors
 from asyncllm.sample.metadata import LogitEdits, RandomKeys, SamplingMetadata, TokenIndex
 from asyncllm.sample.sampler import Sampler, SamplerOutput
@@ -47,49 +51,87 @@ class DraftLayout:
         return [n + 1 for n in self.num_drafts]
 
     @property
-    def num_positions(self) -> int:
-        return sum(self.counts)
-
-    def owner_and_offset(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per scored position, its sampling row and its index among that row's positions."""
-        counts = torch.tensor(self.counts, device=device)
-        owner = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
-        starts = torch.tensor(self.starts, device=device)
-        return owner, torch.arange(len(owner), device=device) - starts[owner]
+    def width(self) -> int:
+        """The most positions of a row."""
+        return max(self.num_drafts) + 1
 
 
-def repeat_metadata(meta: SamplingMetadata, layout: DraftLayout) -> SamplingMetadata:
+@dataclass(frozen=True)
+class LayoutTensors:
+    """A DraftLayout on the device, sent in one non-blocking copy: a blocking one (torch.tensor
+    of a list on CUDA) waits for the step's forward pass, so the host could not enqueue the
+    sampling behind it."""
+
+    owner: torch.Tensor  # [P]: each scored position's sampling row
+    offset: torch.Tensor  # [P]: its index among the row's positions
+    counts: torch.Tensor  # [R]
+    starts: torch.Tensor  # [R]
+    proposed: torch.Tensor  # [R, width - 1]: the drafts, -2 after a row's last
+
+    @classmethod
+    def of(
+        cls, layout: DraftLayout, drafts: list[list[int]], device: torch.device
+    ) -> LayoutTensors:
+        counts, starts = np.array(layout.counts), np.array(layout.starts)
+        owner = np.repeat(np.arange(len(counts)), counts)
+        offset = np.arange(len(owner)) - starts[owner]
+        proposed = np.full((len(counts), layout.width - 1), -2, dtype=np.int64)
+        draft_rows = np.repeat(np.arange(len(counts)), layout.num_drafts)
+        proposed[draft_rows, _columns(layout.num_drafts)] = np.fromiter(
+            itertools.chain.from_iterable(drafts), np.int64, len(draft_rows)
+        )
+        parts = [owner, offset, counts, starts, proposed.ravel()]
+        flat = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+        flat = flat.to(device, non_blocking=True)
+        owner_t, offset_t, counts_t, starts_t, proposed_t = flat.split([len(p) for p in parts])
+        return cls(owner_t, offset_t, counts_t, starts_t, proposed_t.view(proposed.shape))
+
+    def positions_of(self, row_ids: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+        """Each listed row as width positions, the row's last repeated past its count (so the
+        size is known on the host: no sync), which entry each came from, and whether it is a
+        real position."""
+        j = torch.arange(width, device=row_ids.device)
+        counts = self.counts.index_select(0, row_ids)[:, None]
+        positions = self.starts.index_select(0, row_ids)[:, None] + torch.minimum(j, counts - 1)
+        entry = torch.arange(len(row_ids), device=row_ids.device).repeat_interleave(width)
+        return positions.view(-1), entry, (j < counts).view(-1)
+
+
+def _columns(num_drafts: list[int]) -> np.ndarray:
+    """0 .. n - 1 for each n in num_drafts, concatenated."""
+    n = np.array(num_drafts)
+    firsts = np.cumsum(n) - n
+    return np.arange(int(n.sum())) - np.repeat(firsts, n)
+
+
+def repeat_metadata(
+    meta: SamplingMetadata, layout: DraftLayout, tensors: LayoutTensors
+) -> SamplingMetadata:
     """meta with each row repeated once per scored position of the row, position j's random
-    draw being the row's j-th next one."""
-    device = meta.temperature.device
-    owner, offset = layout.owner_and_offset(device)
-    counts = torch.tensor(layout.counts, device=device)
-    starts = torch.tensor(layout.starts, device=device)
+    draw being the row's j-th next one. Rows with penalties, bad words or min_tokens bans have
+    no drafts (spec_decode.proposer.may_speculate): they keep one position each."""
+    owner, width = tensors.owner, layout.width
 
     def rows(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.index_select(0, owner)
 
-    def row_list(row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each listed row as all its positions; and which listed entry each came from."""
-        entry, j = _expand(counts.index_select(0, row_ids))
-        return starts.index_select(0, row_ids.index_select(0, entry)) + j, entry
+    def token_index(index: TokenIndex) -> tuple[TokenIndex, torch.Tensor, torch.Tensor]:
+        positions, entry, real = tensors.positions_of(index.rows, width)
+        return TokenIndex(positions, index.token_ids.index_select(0, entry)), entry, real
 
-    def token_index(index: TokenIndex | None) -> tuple[TokenIndex | None, torch.Tensor | None]:
-        if index is None:
-            return None, None
-        new_rows, entry = row_list(index.rows)
-        return TokenIndex(new_rows, index.token_ids.index_select(0, entry)), entry
-
-    allowed, _ = token_index(meta.allowed)
+    allowed = allowed_rows = None
+    if meta.allowed is not None:  # repeated pairs only set the same mask entries again
+        allowed = token_index(meta.allowed)[0]
+        allowed_rows = tensors.positions_of(meta.allowed_rows, width)[0]
     edits = meta.edits
-    if edits is not None:
-        index, entry = token_index(edits.index)
-        edits = LogitEdits(index, edits.values.index_select(0, entry))
+    if edits is not None:  # the repeated pairs add nothing
+        index, entry, real = token_index(edits.index)
+        edits = LogitEdits(index, torch.where(real, edits.values.index_select(0, entry), 0.0))
     penalties = meta.penalties
     if penalties is not None:
         penalties = dataclasses.replace(
             penalties,
-            rows=row_list(penalties.rows)[0],
+            rows=tensors.starts.index_select(0, penalties.rows),
             slot=rows(penalties.slot),
             presence=rows(penalties.presence),
             frequency=rows(penalties.frequency),
@@ -98,19 +140,19 @@ def repeat_metadata(meta: SamplingMetadata, layout: DraftLayout) -> SamplingMeta
     repeat = [i for i, n in enumerate(layout.counts) for _ in range(n)]
     within = [j for n in layout.counts for j in range(n)]
     random = meta.random
-    tensors = random.tensors
-    if tensors is not None:
-        tensors = dataclasses.replace(
-            tensors,
-            seed=rows(tensors.seed),
-            seeded=rows(tensors.seeded),
-            num_sampled=rows(tensors.num_sampled) + offset,
+    keys = random.tensors
+    if keys is not None:
+        keys = dataclasses.replace(
+            keys,
+            seed=rows(keys.seed),
+            seeded=rows(keys.seeded),
+            num_sampled=rows(keys.num_sampled) + tensors.offset,
         )
     random = RandomKeys(
         seeds=tuple(random.seeds[i] for i in repeat),
         num_sampled=tuple(random.num_sampled[i] + j for i, j in zip(repeat, within)),
         step=random.step,
-        tensors=tensors,
+        tensors=keys,
     )
     return dataclasses.replace(
         meta,
@@ -123,17 +165,10 @@ def repeat_metadata(meta: SamplingMetadata, layout: DraftLayout) -> SamplingMeta
         penalties=penalties,
         edits=edits,
         allowed=allowed,
-        allowed_rows=None if meta.allowed_rows is None else row_list(meta.allowed_rows)[0],
+        allowed_rows=allowed_rows,
         num_logprobs=tuple(meta.num_logprobs[i] for i in repeat),
         modes=rows(meta.modes),
     )
-
-
-def _expand(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For entries repeated counts[i] times: each copy's entry and its index among them."""
-    entry = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-    firsts = torch.cumsum(counts, 0) - counts
-    return entry, torch.arange(len(entry), device=counts.device) - firsts.index_select(0, entry)
 
 
 @dataclass
@@ -178,23 +213,33 @@ class DraftVerification:
         return firsts, first_logprobs, verified
 
 
+def counts_moved_on(requests: Iterable[Request], drafts: list[list[int]]) -> list[str]:
+    """The requests whose sampling state restarts from the host after this verify step: those
+    with drafts took an unknown number of tokens, and their count of sampled tokens is read by
+    a seed's draws and by min_tokens bans (the others' state stays, which saves rebuilding the
+    batch's sampling tensors every step)."""
+    return [
+        request.request_id
+        for request, row_drafts in zip(requests, drafts)
+        if row_drafts
+        and (request.sampling_params.seed is not None or request.sampling_params.min_tokens > 0)
+    ]
+
+
 def verify_drafts(
     sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]
 ) -> DraftVerification:
     """logits [P, V] at every scored position (DraftLayout's order), meta one row per sampling
     row, drafts per sampling row."""
     layout = DraftLayout.of(drafts)
-    repeated = repeat_metadata(meta, layout)
-    sampled = sampler(logits, repeated)
     device = logits.device
-    owner, offset = layout.owner_and_offset(device)
-    width = max(layout.num_drafts) + 1
-    by_row = torch.full((len(drafts), width), -1, dtype=torch.int64, device=device)
-    by_row[owner, offset] = sampled.sampled_token_ids
+    tensors = LayoutTensors.of(layout, drafts, device)
+    repeated = repeat_metadata(meta, layout, tensors)
+    sampled = sampler(logits, repeated)
+    by_row = torch.full((len(drafts), layout.width), -1, dtype=torch.int64, device=device)
+    by_row[tensors.owner, tensors.offset] = sampled.sampled_token_ids
     # -2 pads the drafts and -1 the samples, so padding never agrees
-    padded = [d + [-2] * (width - 1 - len(d)) for d in drafts]
-    proposed = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
-    agrees = by_row[:, :-1] == proposed
+    agrees = by_row[:, :-1] == tensors.proposed
     num_accepted = agrees.int().cumprod(dim=1).sum(dim=1)
     next_token_ids = by_row.gather(1, num_accepted[:, None].long()).squeeze(1)
     return DraftVerification(layout, repeated, sampled, num_accepted, next_token_ids)

@@ -3,7 +3,9 @@
 DecodeGraphs: pure-decode steps, one graph of the whole forward pass and the logits per batch
 size. ShortStepGraphs: steps with prompt tokens up to the size whose attention reads no host
 metadata (the backend's max_short_step_tokens), one graph of the forward pass per token count;
-their requests are padded to the graph's fixed count with requests of no tokens.
+their requests are padded to the graph's fixed count with requests of no tokens. The same
+class holds the uniform verify steps of speculative decoding at their own sizes (b requests of
+k + 1 tokens; the prefill kernel's short tiles take queries of any length).
 PiecewiseGraphs: bigger steps; everything between two attentions is a graph, and each layer's
 attention runs eagerly on the step's own metadata (its launches depend on how the tokens split
 into requests), so such a step launches L + 1 graphs and L or 2L attention kernels instead of

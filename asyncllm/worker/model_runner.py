@@ -37,7 +37,7 @@ from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
 from asyncllm.spec_decode.draft_step import DraftLimits, TargetForward, target_step
-from asyncllm.spec_decode.verify import DraftVerification, verify_drafts
+from asyncllm.spec_decode.verify import DraftVerification, counts_moved_on, verify_drafts
 from asyncllm.spec_decode.worker_proposers import load_worker_proposer
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
@@ -52,6 +52,7 @@ _GPU_ACTIVATION_RESERVE_BYTES = 4 << 30
 _GRAPH_KINDS = {
     StepRunner.DECODE_GRAPH: DecodeGraphs,
     StepRunner.SHORT_STEP_GRAPH: ShortStepGraphs,
+    StepRunner.VERIFY_GRAPH: ShortStepGraphs,  # at the uniform verify steps' sizes
     StepRunner.PIECEWISE_GRAPHS: PiecewiseGraphs,
 }
 
@@ -223,8 +224,8 @@ class ModelRunner:
                 scheduler_output, inputs, forward, next_token_ids, verification
             )
         if verification is not None:
-            # they took several tokens: their counts restart from the host's next time
-            self.sampling_state.forget(i for i, d in zip(ids, drafts) if d)
+            rows = (scheduler_output.scheduled[r].request for r in inputs.sampling_rows)
+            self.sampling_state.forget(counts_moved_on(rows, drafts))
             verification = verification.copy_to_host()
         elif sampled is not None:
             sampled = _copy_to_host(sampled)
@@ -332,6 +333,7 @@ class ModelRunner:
             scheduler.max_num_batched_tokens,
             backend.max_short_step_tokens,
             graphs=not model.enforce_eager and not self._aux_layers(),
+            num_speculative_tokens=scheduler.num_lookahead_tokens,
         )
 
     def _capture_graphs(self) -> dict[StepRunner, GraphRunner]:
