@@ -65,7 +65,7 @@ def test_batched_fill_equals_each_matcher_filled_alone(grammars) -> None:
     outputs: list[list[int]] = [[] for _ in grammars]
     for _ in range(12):
         rows = [
-            ConstrainedRow(row, logits, f"r{i}", grammars[i], outputs[i], len(outputs[i]))
+            ConstrainedRow(row, logits, f"r{i}", grammars[i], outputs[i], len(outputs[i]), [], None)
             for i, (row, logits) in enumerate(zip(ROWS, LOGITS_ROWS))
         ]
         matchers.start_fill(rows)
@@ -84,12 +84,12 @@ def test_batched_fill_equals_each_matcher_filled_alone(grammars) -> None:
 
 def test_fill_waits_for_the_step_before_on_its_own_thread(grammars) -> None:
     matchers = GrammarMatchers(len(VOCAB), 8, torch.device("cpu"))
-    rows = [ConstrainedRow(0, 0, "r", grammars[4], [], 0)]  # root ::= "a"
+    rows = [ConstrainedRow(0, 0, "r", grammars[4], [], 0, [], None)]  # root ::= "a"
     matchers.start_fill(rows)
     assert allowed_ids(matchers.bitmask(rows, 1).words[0]) == [VOCAB.index("a")]
     step = HeldStep()
     matchers.record_sampled(rows, torch.tensor([VOCAB.index("a")]), step)
-    after = [ConstrainedRow(0, 0, "r", grammars[4], [VOCAB.index("a")], 1)]
+    after = [ConstrainedRow(0, 0, "r", grammars[4], [VOCAB.index("a")], 1, [], None)]
     matchers.start_fill(after)  # returns while the step before still runs
     step.ran.set()
     assert allowed_ids(matchers.bitmask(after, 1).words[0]) == [EOS]

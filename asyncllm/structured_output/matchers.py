@@ -19,6 +19,8 @@ import torch
 import xgrammar as xgr
 
 from asyncllm.sample.grammar_mask import TokenBitmask
+from asyncllm.sampling_params import ReasoningMarkers
+from asyncllm.structured_output.reasoning import Phase, ReasoningTracker
 
 logger = logging.getLogger(__name__)
 # xgrammar's "auto" takes half of std::thread::hardware_concurrency(), the host's cores rather
@@ -42,6 +44,8 @@ class ConstrainedRow:
     # they are all on the host (a prompt completed, after admission or preemption)
     output_token_ids: Sequence[int]
     num_output_tokens: int
+    prompt_token_ids: Sequence[int]
+    reasoning: ReasoningMarkers | None
 
 
 def constrained_rows(scheduled: list, logits_rows: list[int]) -> list[ConstrainedRow]:
@@ -59,6 +63,8 @@ def constrained_rows(scheduled: list, logits_rows: list[int]) -> list[Constraine
                     request.grammar,
                     request.output_token_ids,
                     num_outputs,
+                    request.prompt_token_ids,
+                    request.sampling_params.structured_outputs.reasoning,
                 )
             )
     return rows
@@ -75,15 +81,18 @@ class _Sampled:
 
 
 class _Tracked:
-    def __init__(self, grammar: xgr.CompiledGrammar, output_token_ids: Sequence[int]) -> None:
-        self.matcher = xgr.GrammarMatcher(grammar)
+    def __init__(self, row: ConstrainedRow) -> None:
+        self.matcher = xgr.GrammarMatcher(row.grammar)
+        self.reasoning = ReasoningTracker(row.reasoning, row.prompt_token_ids)
         self.num_accepted = 0
         self.broken = False  # took a token its grammar forbids: no longer constrained
-        for token_id in output_token_ids:
+        for token_id in row.output_token_ids[: row.num_output_tokens]:
             self.accept(token_id)
 
     def accept(self, token_id: int) -> None:
         self.num_accepted += 1
+        if not self.reasoning.take(token_id):
+            return
         if self.broken or self.matcher.is_terminated():
             return
         if not self.matcher.accept_token(token_id):
@@ -94,7 +103,8 @@ class _Tracked:
 
     @property
     def constrains(self) -> bool:
-        return not (self.broken or self.matcher.is_terminated())
+        thinking = self.reasoning.phase is Phase.THINKING
+        return not (thinking or self.broken or self.matcher.is_terminated())
 
 
 class GrammarMatchers:
@@ -172,6 +182,9 @@ class GrammarMatchers:
             if live:
                 matchers = [tracked[i].matcher for i in live]
                 self._batch.batch_fill_next_token_bitmask(matchers, self._host, indices=live)
+            for i in live:
+                if (token_id := tracked[i].reasoning.opening_token) is not None:
+                    _allow(self._host[i], token_id)
             self._rows[:n] = torch.tensor([row.logits_row for row in rows])
 
     def _take_sampled(self) -> None:
@@ -192,6 +205,11 @@ class GrammarMatchers:
         outputs."""
         tracked = self._tracked.get(row.request_id)
         if tracked is None or tracked.num_accepted != row.num_output_tokens:
-            outputs = row.output_token_ids[: row.num_output_tokens]
-            tracked = self._tracked[row.request_id] = _Tracked(row.grammar, outputs)
+            tracked = self._tracked[row.request_id] = _Tracked(row)
         return tracked
+
+
+def _allow(mask_row: torch.Tensor, token_id: int) -> None:
+    word, bit = divmod(token_id, 32)
+    value = (int(mask_row[word]) | (1 << bit)) & 0xFFFFFFFF
+    mask_row[word] = value - (1 << 32) if value >= 1 << 31 else value
