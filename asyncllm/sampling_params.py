@@ -12,6 +12,17 @@ _MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
+class ReasoningMarkers:
+    """A thinking model's tags in token ids, set by the server's --reasoning-parser: a constraint
+    holds from the end of the reasoning on. opened_by_output: reasoning only when the output
+    opens with the start tag (Qwen3); else the template opened it (DeepSeek-R1)."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    opened_by_output: bool
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's structured_outputs: exactly one constraint on the output (json_object: any JSON
     object). json is a JSON schema, as a dict or its text."""
@@ -21,6 +32,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (GBNF)
     json_object: bool = False
+    reasoning: ReasoningMarkers | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:

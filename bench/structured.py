@@ -3,7 +3,8 @@ event loop during compiles.
 
 --part step: batch-256 decode of a dummy-weight Qwen3-0.6B, every request held to a JSON schema
 of its own, against the same batch unconstrained (greedy both; target: at most 1.1x). Also the
-host time of the bitmask fill per step, and the floor of applying the mask on the device (the
+host time of the bitmask fill per step (on the matchers' thread, overlapping the forward pass),
+the runner's wait for it, and the floor of applying the mask on the device (the
 bf16 logits read and written once and the bitmask read once, at a copy bandwidth measured in the
 same run).
 --part compile: xgrammar compile time of 50-field schemas against the 151,643-token vocabulary.
@@ -119,7 +120,9 @@ def copy_bandwidth_gbs() -> float:
 
 
 def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dict[str, float]:
-    """Median ms of an engine step once every request decodes, and of the bitmask fill in it."""
+    """Median ms between engine steps once every request decodes (no synchronization between
+    them: under async scheduling a step is launched while the one before runs), and in each
+    step the ms of the bitmask fill on the matchers' thread and of the runner's wait for it."""
     from asyncllm import LLM
 
     prompt_len, max_model_len = 128, 128 + 4 * steps
@@ -135,15 +138,20 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
 
     core = llm.core_client.core
     fill_ms: list[float] = []
-    real_bitmask = GrammarMatchers.bitmask
+    wait_ms: list[float] = []
+    real_fill, real_bitmask = GrammarMatchers._fill_host, GrammarMatchers.bitmask
 
-    def timed_bitmask(self, rows, num_logits_rows):
-        start = time.perf_counter()
-        out = real_bitmask(self, rows, num_logits_rows)
-        fill_ms.append((time.perf_counter() - start) * 1e3)
-        return out
+    def timed(real, times):
+        def call(*args):
+            start = time.perf_counter()
+            out = real(*args)
+            times.append((time.perf_counter() - start) * 1e3)
+            return out
 
-    GrammarMatchers.bitmask = timed_bitmask
+        return call
+
+    GrammarMatchers._fill_host = timed(real_fill, fill_ms)
+    GrammarMatchers.bitmask = timed(real_bitmask, wait_ms)
     schemas = [StructuredOutputsParams(json=schema(i, 20)) for i in range(batch)]
     if constrained:  # compiled ahead, so that every request is admitted at once
         concurrent.futures.wait([core.grammar_compiler.submit(p) for p in schemas])
@@ -159,29 +167,36 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         prompt = [rng.randrange(100, TOKENIZER_SIZE) for _ in range(prompt_len)]
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": prompt}, params)
         llm.add_request(request, None)
-    step_ms, fill_in_step_ms = [], []
+    step_ms, fill_in_step_ms, wait_in_step_ms = [], [], []
     has_work = True
+    sync()
+    last = time.perf_counter()
     while has_work and len(step_ms) < steps:
         running = core.scheduler.running
         decoding = core.scheduler.num_running == batch
         decoding = decoding and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
         fill_ms.clear()
-        sync()
-        start = time.perf_counter()
+        wait_ms.clear()
         step = llm.core_client.get_output()
         has_work = step.has_work
         llm.process_step(step)
-        sync()
+        now = time.perf_counter()
         if decoding:
-            step_ms.append((time.perf_counter() - start) * 1e3)
+            step_ms.append((now - last) * 1e3)
             fill_in_step_ms.append(sum(fill_ms))
+            wait_in_step_ms.append(sum(wait_ms))
+        last = now
     warm = len(step_ms) // 4
+    matchers = core.executor.model_runner.grammar_matchers
     result = {
         "steps_timed": len(step_ms) - warm,
         "step_ms": statistics.median(step_ms[warm:]),
-        "bitmask_fill_and_wait_ms": statistics.median(fill_in_step_ms[warm:]),
+        "bitmask_fill_ms": statistics.median(fill_in_step_ms[warm:]),
+        "bitmask_wait_ms": statistics.median(wait_in_step_ms[warm:]),
+        "fill_threads": matchers.num_threads if matchers is not None else 0,
+        "cores_usable": len(os.sched_getaffinity(0)),
     }
-    GrammarMatchers.bitmask = real_bitmask
+    GrammarMatchers._fill_host, GrammarMatchers.bitmask = real_fill, real_bitmask
     llm.core_client.shutdown()
     return result
 

@@ -112,6 +112,24 @@ def test_async_scheduling_and_preemption_keep_the_grammar(tiny_model_dir, extra)
         assert engine.core_client.core.scheduler.num_preemptions > 0
 
 
+def test_grammar_holds_beside_requests_that_speculate(tiny_model_dir) -> None:
+    engine = LLM(
+        model=str(tiny_model_dir),
+        max_model_len=512,
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    constrained = SamplingParams(
+        n=2, max_tokens=60, temperature=1.0, seed=7, structured_outputs={"json": COLORS}
+    )
+    free = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    copying = "red green blue red green blue red green blue red green"
+    outputs = engine.generate([copying, copying], [constrained, free], use_tqdm=False)
+    for completion in outputs[0].outputs:
+        assert_colors(completion.text)
+    assert engine.core_client.core.spec_decoding_stats.num_draft_tokens > 0
+
+
 @pytest.mark.parametrize(
     ("constraint", "param"),
     [

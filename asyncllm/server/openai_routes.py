@@ -25,6 +25,7 @@ from asyncllm.server.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
+from asyncllm.server.reasoning_parsers import constrain_the_answer
 from asyncllm.server.request_keys import RESPONSE_ID
 from asyncllm.server.responses import ChunkBuilder
 from asyncllm.server.resumable import resume_point
@@ -176,6 +177,8 @@ class OpenAIRoutes:
             )
         except ValueError as e:
             raise from_validation_error(e) from e
+        if args.reasoning_parser is not None:
+            constrain_the_answer(req.params, args.reasoning_parser, self.tokenizer)
         if tools is not None:
             req.chat_template_kwargs = {**req.chat_template_kwargs, "tools": tools}
         req.messages = template_messages(req.messages or [])

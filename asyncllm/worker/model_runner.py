@@ -37,7 +37,12 @@ from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
 from asyncllm.spec_decode.draft_step import DraftLimits, TargetForward, target_step
-from asyncllm.spec_decode.verify import DraftVerification, counts_moved_on, verify_drafts
+from asyncllm.spec_decode.verify import (
+    DraftLayout,
+    DraftVerification,
+    counts_moved_on,
+    verify_drafts,
+)
 from asyncllm.spec_decode.worker_proposers import load_worker_proposer
 from asyncllm.worker.cuda_graph import DecodeGraphs, GraphRunner, PiecewiseGraphs, ShortStepGraphs
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch, StepInputs
@@ -194,17 +199,21 @@ class ModelRunner:
         reads_hidden = self.drafter is not None and self.drafter.reads_hidden
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans) or reads_hidden)
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
+        drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
+        # the grammars' allowed tokens are filled on the matchers' thread while the forward
+        # pass is enqueued and runs (constrained requests get no drafts)
+        logits_rows = DraftLayout.of(drafts).starts
+        constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows, logits_rows)
+        if constrained:
+            self.grammar_matchers.start_fill(constrained)
         hidden, logits, aux_hidden = self._forward(plan, inputs)
         sampled = meta = verification = draft_token_ids = next_token_ids = None
-        constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows)
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
-            # the grammars' allowed tokens, filled while the forward pass enqueued above runs,
-            # masked before the sampler processes the logits (constrained requests get no drafts)
+            # masked before the sampler processes the logits
             if constrained:
-                num_rows = len(inputs.sampling_rows)
-                apply_token_bitmask(logits, self.grammar_matchers.bitmask(constrained, num_rows))
-            drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
+                bitmask = self.grammar_matchers.bitmask(constrained, logits.shape[0])
+                apply_token_bitmask(logits, bitmask)
             if any(drafts):
                 verification = verify_drafts(self.sampler, logits, meta, drafts)
                 next_token_ids = verification.next_token_ids
@@ -216,6 +225,8 @@ class ModelRunner:
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
             self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
+            if constrained:  # each row's next token, for the matchers to take in
+                grammar_token_ids = next_token_ids.to("cpu", non_blocking=True)
         if self.drafter is not None:
             forward = TargetForward(
                 inputs.input_ids, inputs.positions, inputs.meta, hidden, aux_hidden
@@ -236,7 +247,7 @@ class ModelRunner:
             )
         done = self._record_event()
         if constrained:
-            self.grammar_matchers.record_sampled(constrained, sampled.sampled_token_ids, done)
+            self.grammar_matchers.record_sampled(constrained, grammar_token_ids, done)
         return LaunchedModelStep(
             len(scheduler_output.scheduled),
             inputs.sampling_rows,
@@ -361,8 +372,11 @@ class ModelRunner:
         if self.grammar_matchers is not None:
             self.grammar_matchers.forget(request_ids)
 
-    def _constrained_rows(self, scheduler_output: SchedulerOutput, rows: list[int]) -> list:
-        """The ConstrainedRows of the requests with a structured-output grammar."""
+    def _constrained_rows(
+        self, scheduler_output: SchedulerOutput, rows: list[int], logits_rows: list[int]
+    ) -> list:
+        """The ConstrainedRows of the requests with a structured-output grammar; logits_rows:
+        each sampling row's first row of logits."""
         scheduled = [scheduler_output.scheduled[r] for r in rows]
         if all(s.request.grammar is None for s in scheduled):
             return []
@@ -372,7 +386,7 @@ class ModelRunner:
             vocab_size = self.config.model.hf_config.vocab_size
             max_rows = self.config.scheduler.max_num_seqs
             self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device)
-        return constrained_rows(scheduled)
+        return constrained_rows(scheduled, logits_rows)
 
     def _bytes_per_block(self) -> int:
         dtype = self._kv_cache_dtype()

@@ -8,7 +8,10 @@ thinking, so the output is reasoning up to </think> (a leading <think> is droppe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from asyncllm.sampling_params import ReasoningMarkers, SamplingParams
 
 START, END = "<think>", "</think>"
 
@@ -87,3 +90,16 @@ def reasoning_parser(name: str) -> ThinkReasoningParser:
         choices = ", ".join(REASONING_PARSERS)
         raise ValueError(f"--reasoning-parser must be one of {choices}; got {name!r}.")
     return ThinkReasoningParser(opens_without_tag=REASONING_PARSERS[name])
+
+
+def constrain_the_answer(params: SamplingParams, name: str, tokenizer) -> None:
+    """A structured-outputs constraint holds from the end of the reasoning on: the tags in the
+    tokenizer's ids go with it to the engine."""
+    if params.structured_outputs is None:
+        return
+
+    def ids(tag: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(tag, add_special_tokens=False))
+
+    markers = ReasoningMarkers(ids(START), ids(END), not REASONING_PARSERS[name])
+    params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning=markers)
