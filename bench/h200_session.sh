@@ -10,6 +10,8 @@
 #                                         tree (DIR: `git archive REV | tar -x -C DIR` into an
 #                                         untracked folder) and of this one, alternating twice
 #   bench/h200_session.sh serving_ab OUT DIR  the serving script on DIR's tree, then on this one
+#   bench/h200_session.sh round2 OUT      GPU tests of speculation (EAGLE, Medusa, verify graphs),
+#                                         quantization and structured outputs; their benchmarks
 #   bench/h200_session.sh moe OUT         MoE/MLA GPU tests, fused-MoE tile sweep at decode sizes,
 #                                         and kernel figures per shape
 #   bench/h200_session.sh moe_offline OUT  the offline workload per MoE/MLA shape
@@ -81,6 +83,21 @@ moe)
       | grep -oE '"(tokens|batch)": [0-9]+|"fraction[a-z_]*": [0-9.]{4}' | paste -sd' '
   done
   tar czf "$out/fused_moe_configs.tgz" kernels/fused_moe_configs  # names with = and , do not return
+  ;;
+round2)
+  timeout 170 python3 -m pytest -rf -q -p no:cacheprovider tests/test_spec_gpu.py tests/test_spec_eagle_gpu.py \
+    tests/test_quant_kernels.py tests/test_quant_layers.py tests/test_gpu_engine.py \
+    -k "not equals_hf" > "$out/gpu_tests_round2_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_round2_h200.txt"
+  timeout 150 python3 bench/spec_decode.py --shape llama-3.1-8b --out "$out/spec_decode_h200.json" \
+    > "$out/spec_decode_h200.txt" 2>&1
+  tail -4 "$out/spec_decode_h200.txt"
+  timeout 100 python3 bench/structured.py --part step --batch 256 --steps 40 \
+    --out "$out/structured_step_h200.json" > "$out/structured_step_h200.txt" 2>&1
+  tail -4 "$out/structured_step_h200.txt"
+  timeout 150 python3 bench/quant.py --part decode --out "$out/quant_decode_h200.json" \
+    > "$out/quant_decode_h200.txt" 2>&1
+  tail -6 "$out/quant_decode_h200.txt"
   ;;
 moe_offline)
   for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do
