@@ -121,6 +121,10 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=Path, default=None,
+        help="write torch.profiler tables of the first batch size's speculating run here",
+    )  # fmt: skip
     args = parser.parse_args()
 
     path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
@@ -155,7 +159,16 @@ def main() -> None:
         stats = spec.core_client.core.spec_decoding_stats
         before = stats.snapshot()
         replays = count_graph_replays(spec, StepRunner.VERIFY_GRAPH)
-        drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
+        if args.profile and batch == args.batch_sizes[0]:
+            with torch.profiler.profile() as profiler:
+                drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
+            averages = profiler.key_averages()
+            args.profile.write_text("\n\n".join(
+                averages.table(sort_by=key, row_limit=30)
+                for key in ("self_cuda_time_total", "self_cpu_time_total")
+            ))  # fmt: skip
+        else:
+            drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
         # token count -> verify steps that replayed a verify graph of that size
         drafted["verify_graph_replays"] = {str(k): v for k, v in sorted(replays.items())}
         num_drafts = stats.num_drafts - before.num_drafts

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from test_kernels_attention import make_batch, relative_error
 
 from asyncllm.attention.torch_backend import TorchAttentionBackend, write_kv_cache
@@ -86,4 +87,37 @@ def test_an_engine_generates_over_an_fp8_cache(tmp_path: Path, tiny_model_dir: P
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 2, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
+    assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphs_run_over_an_fp8_cache(tmp_path: Path) -> None:
+    """The piecewise graphs' buffers between the pieces hold activations, in the model's dtype
+    (they once took the cache's, and o_proj got e4m3 input)."""
+    from asyncllm import LLM, SamplingParams
+
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(tmp_path)
+    llm = LLM(
+        model=str(tmp_path),
+        load_format="dummy",
+        kv_cache_dtype="fp8",
+        max_model_len=2048,
+        gpu_memory_utilization=0.2,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 5, 1500)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids

@@ -26,6 +26,7 @@ class PieceShapes:
     hidden_size: int  # the residual stream and each layer's input
     query: tuple[int, ...]  # the attention's input row, e.g. (num_heads, head_dim)
     attn_out: tuple[int, ...]  # the attention's output row
+    dtype: torch.dtype  # the activations' (not an FP8 KV cache's)
 
 
 class DecoderLayerPieces(Protocol):

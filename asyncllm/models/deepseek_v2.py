@@ -228,7 +228,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def piece_shapes(self) -> PieceShapes:
         dims = self.layers[0].self_attn.dims
         query = (dims.num_heads, dims.qk_nope_head_dim + dims.qk_rope_head_dim)
-        return PieceShapes(self.config.hidden_size, query, (dims.num_heads, dims.v_head_dim))
+        attn_out = (dims.num_heads, dims.v_head_dim)
+        return PieceShapes(self.config.hidden_size, query, attn_out, self.embed_tokens.weight.dtype)
 
     @property
     def kv_cache_specs(self) -> list[KVCacheSpec]:

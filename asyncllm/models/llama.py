@@ -297,7 +297,8 @@ class LlamaForCausalLM(nn.Module):
     def piece_shapes(self) -> PieceShapes:
         attn = self.layers[0].self_attn
         heads = (attn.num_heads, attn.head_dim)
-        return PieceShapes(self.config.hidden_size, query=heads, attn_out=heads)
+        dtype = self.embed_tokens.weight.dtype
+        return PieceShapes(self.config.hidden_size, query=heads, attn_out=heads, dtype=dtype)
 
     @property
     def kv_cache_specs(self) -> list[KVCacheSpec]:

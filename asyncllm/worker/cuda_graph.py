@@ -149,11 +149,12 @@ class PiecewiseGraphs(GraphRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         shapes = self.model.piece_shapes
-        rows, like = max(self.plans), self.kv_caches[0]
-        self.query = like.new_zeros(rows, *shapes.query)
-        self.attn_out = like.new_zeros(rows, *shapes.attn_out)
-        self.residual = like.new_zeros(rows, shapes.hidden_size)
-        self.hidden = like.new_zeros(rows, shapes.hidden_size)
+        rows = max(self.plans)
+        like = {"dtype": shapes.dtype, "device": self.kv_caches[0].device}
+        self.query = torch.zeros(rows, *shapes.query, **like)
+        self.attn_out = torch.zeros(rows, *shapes.attn_out, **like)
+        self.residual = torch.zeros(rows, shapes.hidden_size, **like)
+        self.hidden = torch.zeros(rows, shapes.hidden_size, **like)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
 
     @torch.inference_mode()
