@@ -23,7 +23,6 @@ from asyncllm.engine.messages import (
     Ready,
     Shutdown,
 )
-from asyncllm.executor.abstract import WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def run_core_process(inbox: Connection, outbox: Connection) -> None:
         return
     freeze_startup_objects()
     messages = _receive_in_thread(inbox)
-    core.executor.register_failure_callback(lambda reason: messages.put(Failed(reason)))
+    core.watch_executor(messages.put)
     outbox.send(Ready(core.capacity))
     try:
         run_core_loop(core, messages, outbox.send)
@@ -78,11 +77,9 @@ def run_core_loop(
 
 
 def _apply(core: EngineCore, message: Message) -> bool:
-    """Applies a message; False for Shutdown. A failed executor fails the core."""
+    """Applies a message; False for Shutdown. A failed executor (Failed) fails the core."""
     if isinstance(message, Shutdown):
         return False
-    if isinstance(message, Failed):
-        raise WorkerDiedError(message.error)
     core.apply(message)
     return True
 
