@@ -47,7 +47,9 @@ async def test_a_worker_that_dies_ends_the_stream_with_an_error(tmp_path) -> Non
     with pytest.raises(Exception, match="tensor-parallel worker 1"):
         async for _ in stream:
             pass
-    assert time.monotonic() - start < 5.0
+    ended = time.monotonic() - start
+    report("tp worker killed mid-stream", stream_ended_s=ended)
+    assert ended < NOTICE_S
     assert engine.errored
     await engine.shutdown()
     await asyncio.sleep(0)
