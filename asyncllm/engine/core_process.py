@@ -13,7 +13,11 @@ from multiprocessing.connection import Connection
 from asyncllm.config import EngineArgs
 from asyncllm.debugging import configure_logging, start_function_trace
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.heap import freeze_startup_objects, release_freed_memory
+from asyncllm.engine.heap import (
+    freeze_startup_objects,
+    release_freed_memory,
+    use_one_malloc_arena,
+)
 from asyncllm.engine.messages import (
     CoreStep,
     EngineCoreRequest,
@@ -32,6 +36,7 @@ Message = EngineCoreRequest | FinishRequests | Profile | Shutdown | Failed
 
 def main() -> None:
     """Entry point of the core process: its pipes' file descriptors are its arguments."""
+    use_one_malloc_arena()
     inbox_fd, outbox_fd = map(int, sys.argv[1:3])
     run_core_process(Connection(inbox_fd, writable=False), Connection(outbox_fd, readable=False))
 
