@@ -20,7 +20,7 @@ from aiohttp import web
 from asyncllm.config import EngineArgs
 from asyncllm.debugging import configure_logging, start_function_trace
 from asyncllm.engine.async_llm import AsyncLLM
-from asyncllm.engine.heap import freeze_startup_objects
+from asyncllm.engine.heap import freeze_startup_objects, use_one_malloc_arena
 from asyncllm.server.access_log import ACCESS_LOGGER, AccessLogger
 from asyncllm.server.app import STATE, ServerArgs, build_app
 from asyncllm.server.protocol import overloaded
@@ -280,6 +280,7 @@ async def serve(namespace: argparse.Namespace, sock: socket.socket) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    use_one_malloc_arena()
     namespace = make_parser(prog).parse_args(argv)
     configure_logging()
     start_function_trace("server")

@@ -4,6 +4,8 @@ import asyncio
 import gc
 import os
 import queue
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -13,11 +15,11 @@ from test_reliability_support import rss_kib
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.engine import core_client, core_process
 from asyncllm.engine.core_process import run_core_loop, run_core_process
-from asyncllm.engine.heap import _malloc_trim, freeze_startup_objects, release_freed_memory
+from asyncllm.engine.heap import _libc, freeze_startup_objects, release_freed_memory
 from asyncllm.engine.messages import KVCapacity, Ready, Shutdown
 
 
-@pytest.mark.skipif(_malloc_trim() is None, reason="needs glibc's malloc_trim")
+@pytest.mark.skipif(_libc() is None, reason="needs glibc's malloc_trim")
 def test_release_gives_back_the_pages_of_freed_heap_blocks() -> None:
     blocks = [bytearray(64 * 1024) for _ in range(2048)]  # 128 MiB on malloc's heap
     del blocks[::2]  # 64 MiB of holes between live blocks: free() keeps them resident
@@ -26,6 +28,36 @@ def test_release_gives_back_the_pages_of_freed_heap_blocks() -> None:
     after = rss_kib(os.getpid())
     assert before - after >= 32 * 1024, (before, after)
     assert len(blocks) == 1024
+
+
+ARENAS_OF_THREADS = """
+import ctypes, threading
+from asyncllm.engine.heap import use_one_malloc_arena
+if {limit}:
+    use_one_malloc_arena()
+def allocate():
+    blocks = [bytearray(100_000) for _ in range(50)]
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+ctypes.CDLL("libc.so.6").malloc_stats()
+"""
+
+
+def malloc_arenas(limit: bool) -> int:
+    """How many arenas malloc has after four threads allocated (malloc_stats lists them)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    code = ARENAS_OF_THREADS.format(limit=limit)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stderr.count("Arena ")
+
+
+@pytest.mark.skipif(_libc() is None, reason="needs glibc's mallopt")
+def test_the_server_processes_allocate_from_one_malloc_arena() -> None:
+    """The other arenas' tops are what malloc_trim cannot give back (heap.py)."""
+    assert malloc_arenas(limit=True) == 1
+    assert malloc_arenas(limit=False) > 1
 
 
 async def test_the_engine_releases_memory_each_time_it_goes_idle(tiny_model_dir, monkeypatch):
@@ -82,16 +114,13 @@ class FakePipe:
         self.sent.append(type(message).__name__)
 
 
-class FakeExecutor:
-    def register_failure_callback(self, callback) -> None:
-        pass
-
-
 class FakeCore:
     capacity = KVCapacity(num_blocks=8, block_size=16)
-    executor = FakeExecutor()
 
     def __init__(self, config) -> None:
+        pass
+
+    def watch_executor(self, post) -> None:
         pass
 
     def shutdown(self) -> None:
@@ -102,7 +131,7 @@ def test_the_core_process_freezes_its_startup_objects_before_it_reports_ready(mo
     events: list[str] = []
     monkeypatch.setattr(core_process, "EngineCore", FakeCore)
     monkeypatch.setattr(core_process, "freeze_startup_objects", lambda: events.append("freeze"))
-    monkeypatch.setattr(core_process, "_receive_in_thread", lambda inbox: None)
+    monkeypatch.setattr(core_process, "_receive_in_thread", lambda inbox: queue.Queue())
     monkeypatch.setattr(core_process, "run_core_loop", lambda core, messages, emit: None)
     run_core_process(FakePipe(events), FakePipe(events))
     assert events == ["freeze", Ready.__name__]

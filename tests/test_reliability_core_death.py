@@ -19,6 +19,7 @@ from test_reliability_support import is_openai_error, report, serving
 from test_server_support import ServerProcess, parse_sse, tiny_server_args
 
 from asyncllm import AsyncLLM, EngineArgs
+from asyncllm.engine.core import EngineCore
 from asyncllm.engine.core_client import CoreProcessClient
 from asyncllm.engine.core_process import run_core_loop
 from asyncllm.engine.messages import Failed
@@ -201,15 +202,15 @@ async def test_restarts_are_limited_per_minute() -> None:
     assert not limit.take()
 
 
-class _IdleCore:
-    def has_work(self) -> bool:
-        return False
-
-
-async def test_a_failed_executor_fails_the_core_process_loop() -> None:
+async def test_a_failed_executor_fails_the_core_process_loop(tiny_model_dir) -> None:
     """A worker that dies while the core idles: the executor's failure callback queues Failed,
     and the loop raises, so the core process reports Failed like any death."""
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=256)
+    core = EngineCore(args.create_engine_config())
     messages: queue.Queue = queue.Queue()
     messages.put(Failed("worker 1 exited with code -9"))
-    with pytest.raises(WorkerDiedError, match="worker 1 exited"):
-        run_core_loop(_IdleCore(), messages, lambda step: None)
+    try:
+        with pytest.raises(WorkerDiedError, match="worker 1 exited"):
+            run_core_loop(core, messages, lambda step: None)
+    finally:
+        core.shutdown()

@@ -12,6 +12,7 @@ import collections
 import concurrent.futures
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncllm.config import EngineConfig
@@ -24,6 +25,7 @@ from asyncllm.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineStats,
+    Failed,
     FinishRequests,
     KVCapacity,
     Profile,
@@ -109,7 +111,14 @@ class EngineCore:
         else:
             self.scheduler.add_request(request)
 
-    def apply(self, message: EngineCoreRequest | FinishRequests | Profile) -> None:
+    def watch_executor(self, post: Callable[[Failed], None]) -> None:
+        """Has the executor's failure, idle or not, posted (from its thread) as a Failed to
+        the core's inbox: applying it fails the core as a whole."""
+        self.executor.register_failure_callback(lambda reason: post(Failed(reason)))
+
+    def apply(self, message: EngineCoreRequest | FinishRequests | Profile | Failed) -> None:
+        if isinstance(message, Failed):
+            raise WorkerDiedError(message.error)
         if isinstance(message, FinishRequests):
             self.finish_requests(message.request_ids, message.status)
         elif isinstance(message, Profile):

@@ -64,6 +64,9 @@ class CoreClient(ABC):
     def shutdown(self) -> None: ...
 
 
+InboxMessage = EngineCoreRequest | FinishRequests | Profile | Failed
+
+
 class InprocClient(CoreClient):
     """The core in this process. Requests and finishes wait in an inbox until the next step
     begins: AsyncLLM runs each step in a thread of its own while the event loop adds and aborts,
@@ -72,11 +75,11 @@ class InprocClient(CoreClient):
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.capacity = core.capacity
-        self._inbox: collections.deque[EngineCoreRequest | FinishRequests | Profile] = (
-            collections.deque()
-        )
+        self._inbox: collections.deque[InboxMessage] = collections.deque()
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stepper: concurrent.futures.ThreadPoolExecutor | None = None
+        core.watch_executor(self._post_from_thread)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._post(request)
@@ -96,6 +99,7 @@ class InprocClient(CoreClient):
     async def get_output_async(self) -> CoreStep:
         if self._wake is None:
             self._wake = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
             self._stepper = concurrent.futures.ThreadPoolExecutor(1, "engine-core")
         while not (self._inbox or self.core.has_work()):
             self._wake.clear()
@@ -108,10 +112,18 @@ class InprocClient(CoreClient):
             self._stepper.shutdown(wait=True)
         self.core.shutdown()
 
-    def _post(self, message: EngineCoreRequest | FinishRequests | Profile) -> None:
+    def _post(self, message: InboxMessage) -> None:
         self._inbox.append(message)
         if self._wake is not None:
             self._wake.set()
+
+    def _post_from_thread(self, message: Failed) -> None:
+        """The executor's failure, from its thread: it wakes an idle engine loop at once."""
+        self._inbox.append(message)
+        loop = self._loop  # read after the append: a loop that starts meanwhile sees it
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
+                loop.call_soon_threadsafe(self._wake.set)
 
 
 class EngineCoreGone(RuntimeError):

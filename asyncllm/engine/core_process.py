@@ -13,7 +13,11 @@ from multiprocessing.connection import Connection
 from asyncllm.config import EngineArgs
 from asyncllm.debugging import configure_logging, start_function_trace
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.heap import freeze_startup_objects, release_freed_memory
+from asyncllm.engine.heap import (
+    freeze_startup_objects,
+    release_freed_memory,
+    use_one_malloc_arena,
+)
 from asyncllm.engine.messages import (
     CoreStep,
     EngineCoreRequest,
@@ -23,7 +27,6 @@ from asyncllm.engine.messages import (
     Ready,
     Shutdown,
 )
-from asyncllm.executor.abstract import WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,7 @@ Message = EngineCoreRequest | FinishRequests | Profile | Shutdown | Failed
 
 def main() -> None:
     """Entry point of the core process: its pipes' file descriptors are its arguments."""
+    use_one_malloc_arena()
     inbox_fd, outbox_fd = map(int, sys.argv[1:3])
     run_core_process(Connection(inbox_fd, writable=False), Connection(outbox_fd, readable=False))
 
@@ -49,7 +53,7 @@ def run_core_process(inbox: Connection, outbox: Connection) -> None:
         return
     freeze_startup_objects()
     messages = _receive_in_thread(inbox)
-    core.executor.register_failure_callback(lambda reason: messages.put(Failed(reason)))
+    core.watch_executor(messages.put)
     outbox.send(Ready(core.capacity))
     try:
         run_core_loop(core, messages, outbox.send)
@@ -78,11 +82,9 @@ def run_core_loop(
 
 
 def _apply(core: EngineCore, message: Message) -> bool:
-    """Applies a message; False for Shutdown. A failed executor fails the core."""
+    """Applies a message; False for Shutdown. A failed executor (Failed) fails the core."""
     if isinstance(message, Shutdown):
         return False
-    if isinstance(message, Failed):
-        raise WorkerDiedError(message.error)
     core.apply(message)
     return True
 

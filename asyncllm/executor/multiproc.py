@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _STOP = b""
 _JOIN_TIMEOUT_S = 5.0
+_PEER_EXIT_GRACE_S = 0.2  # how long a failed rank's peers are watched for the death behind it
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class MultiprocExecutor(Executor):
                     del outstanding[worker.conn]
                     message = worker.receive()
                     if isinstance(message, _Failed):
-                        self._fail(f"tensor-parallel worker {worker.rank}: {message.message}")
+                        self._fail(self._cause(worker, message))
                         return
                     if worker.rank == 0:
                         output = message.output
@@ -213,15 +214,36 @@ class MultiprocExecutor(Executor):
                 future = self._pending.popleft()
             future.set_result(output)
 
+    def _cause(self, failed: _Worker, message: _Failed) -> str:
+        """The failure's reason; a rank whose collective broke because a peer died (a reset
+        connection) may report first, so a peer that exits meanwhile is named as the cause."""
+        reason = f"tensor-parallel worker {failed.rank}: {message.message}"
+        if self._stopping:
+            return reason
+        peers = [w for w in self._workers if w is not failed]
+        exited = wait([w.process.sentinel for w in peers], _PEER_EXIT_GRACE_S)
+        for peer in peers:
+            if peer.process.sentinel in exited:
+                peer.process.join(_JOIN_TIMEOUT_S)
+                died = f"the process exited with code {peer.process.exitcode}"
+                return f"tensor-parallel worker {peer.rank}: {died} ({reason})"
+        return reason
+
     def _fail(self, message: str) -> None:
-        if not self._stopping:
-            logger.error("%s; stopping the other workers", message)
         with self._lock:
             self._failure = message
-        self._stop_workers(0.0)
+        if self._stopping:  # the workers exit as asked; shutdown() reaps them
+            self._fail_pending(message)
+            return
+        logger.error("%s; stopping the other workers", message)
+        for worker in self._workers:
+            worker.process.kill()  # at once, rather than left waiting in a collective
+        # the steps and the engine fail before the workers are reaped: a killed process's
+        # memory takes a while to free
         self._fail_pending(message)
-        if self._on_failure is not None and not self._stopping:
+        if self._on_failure is not None:
             self._on_failure(message)  # noticed while idle too: the collector always watches
+        self._stop_workers(0.0)
 
     def _fail_pending(self, message: str) -> None:
         with self._lock:

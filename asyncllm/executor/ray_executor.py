@@ -4,13 +4,18 @@ others). Each actor is a rank as a worker process is one (worker.init_worker, th
 runner); the step's scheduler output is put in Ray's object store once and read by every actor.
 
 An actor that dies or raises fails the steps in flight with WorkerDiedError and the others are
-killed; shutdown kills the actors and removes the placement group.
+killed. A watcher thread holds one call on each actor that never returns (`alive`): Ray fails
+it once the actor dies, so a death while the engine idles is noticed too and reported to the
+failure callback. Shutdown kills the actors and removes the placement group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -25,7 +30,10 @@ from asyncllm.executor.uniproc import UniprocExecutor
 from asyncllm.executor.wire import StepWire
 from asyncllm.worker.worker import init_worker
 
+logger = logging.getLogger(__name__)
+
 _PLACEMENT_TIMEOUT_S = 60.0
+_WATCH_POLL_S = 0.1  # how often the watcher looks whether the executor is shutting down
 
 
 @ray.remote
@@ -52,6 +60,10 @@ class RayWorker:
         output = await asyncio.wrap_future(self.executor.execute_model(scheduler_output))
         return output if self.rank == 0 else None
 
+    async def alive(self) -> None:
+        """Never returns: its reference fails once the actor dies (the executor's watch)."""
+        await asyncio.Event().wait()
+
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
@@ -65,6 +77,9 @@ class RayExecutor(Executor):
         self._group = placement_group([bundle] * world_size, strategy="PACK")
         self.workers: list = []
         self._failure: str | None = None
+        self._stopping = threading.Event()
+        self._on_failure: Callable[[str], None] | None = None
+        self._watcher: threading.Thread | None = None
         self._wire = StepWire()
         self._collector = concurrent.futures.ThreadPoolExecutor(1, "ray-collect")
         try:
@@ -79,6 +94,11 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        liveness = [worker.alive.remote() for worker in self.workers]
+        self._watcher = threading.Thread(
+            target=self._watch, args=(liveness,), name="ray-watch", daemon=True
+        )
+        self._watcher.start()
 
     def execute_model(
         self, scheduler_output: SchedulerOutput
@@ -89,7 +109,13 @@ class RayExecutor(Executor):
         replies = [worker.execute_model.remote(shared) for worker in self.workers]
         return self._collector.submit(self._gather, replies)
 
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        self._on_failure = callback
+
     def shutdown(self) -> None:
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()  # before ray.shutdown: it calls into Ray
         self._kill_workers()
         self._collector.shutdown(wait=True, cancel_futures=True)
         remove_placement_group(self._group)
@@ -122,6 +148,30 @@ class RayExecutor(Executor):
             self._failure = self._failure or f"a tensor-parallel Ray worker failed: {describe(e)}"
             self._kill_workers()
             raise WorkerDiedError(self._failure) from e
+
+    def _watch(self, liveness: list[ray.ObjectRef]) -> None:
+        """Waits for any actor's `alive` call to end (its death) until shutdown begins."""
+        while not self._stopping.is_set():
+            ended, _ = ray.wait(liveness, num_returns=1, timeout=_WATCH_POLL_S)
+            if ended:
+                rank = liveness.index(ended[0])
+                self._fail(f"tensor-parallel Ray worker {rank}: {self._death_of(ended[0])}")
+                return
+
+    @staticmethod
+    def _death_of(liveness: ray.ObjectRef) -> str:
+        try:
+            ray.get(liveness)
+        except Exception as e:
+            return describe(e)
+        return "its liveness call returned"
+
+    def _fail(self, message: str) -> None:
+        logger.error("%s; stopping the other workers", message)
+        self._failure = self._failure or message
+        self._kill_workers()
+        if self._on_failure is not None:
+            self._on_failure(self._failure)
 
     def _kill_workers(self) -> None:
         for worker in self.workers:
