@@ -117,7 +117,7 @@ def test_cuda_graphs_run_over_an_fp8_cache(tmp_path: Path) -> None:
         gpu_memory_utilization=0.2,
     )
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 5, 1500)]
+    prompts = [{"prompt_token_ids": [3 + i % 1000 for i in range(n)]} for n in (5, 5, 1500)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids

@@ -24,6 +24,7 @@ import torch
 from asyncllm.core.scheduler_output import VerifiedTokens
 from asyncllm.outputs import TokenLogprobs
 from asyncllm.request import Request
+from asyncllm.sample.history import to_device
 from asyncllm.sample.logprobs import LogprobsTensors
 from asyncllm.sample.metadata import LogitEdits, RandomKeys, SamplingMetadata, TokenIndex
 from asyncllm.sample.sampler import Sampler, SamplerOutput
@@ -81,8 +82,8 @@ class LayoutTensors:
             itertools.chain.from_iterable(drafts), np.int64, len(draft_rows)
         )
         parts = [owner, offset, counts, starts, proposed.ravel()]
-        flat = torch.from_numpy(np.concatenate(parts).astype(np.int64))
-        flat = flat.to(device, non_blocking=True)
+        # pinned: from pageable memory the copy would wait for the forward pass queued before it
+        flat = to_device(np.concatenate(parts).astype(np.int64), device)
         owner_t, offset_t, counts_t, starts_t, proposed_t = flat.split([len(p) for p in parts])
         return cls(owner_t, offset_t, counts_t, starts_t, proposed_t.view(proposed.shape))
 
