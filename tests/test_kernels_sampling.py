@@ -13,7 +13,7 @@ from asyncllm.request import Request
 from asyncllm.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
-from kernels import sampling
+from kernels import sampling, sampling_rows
 
 # the interpreter evaluates both sides of tl.where, log(0) included
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")
@@ -39,10 +39,12 @@ def make_request(params: SamplingParams, prompt=(0, 1), output=()) -> Request:
     return request
 
 
-def row_keys(rows: int, seeds=None, num_sampled=None, step=0, fresh_seed=99) -> sampling.RowKeys:
+def row_keys(
+    rows: int, seeds=None, num_sampled=None, step=0, fresh_seed=99
+) -> sampling_rows.RowKeys:
     seeds = seeds or [None] * rows
     num_sampled = num_sampled or [0] * rows
-    return sampling.RowKeys(
+    return sampling_rows.RowKeys(
         torch.tensor([s or 0 for s in seeds]),
         torch.tensor([s is not None for s in seeds], dtype=torch.int8),
         torch.tensor(num_sampled),
@@ -68,7 +70,7 @@ def _uniforms_kernel(out_ptr, seed_ptr, counter_ptr, vocab, BLOCK: tl.constexpr)
     tl.store(out_ptr + row * vocab + cols, uniforms, mask=cols < vocab)
 
 
-def race_winners(z: torch.Tensor, kept: torch.Tensor, keys: sampling.RowKeys) -> torch.Tensor:
+def race_winners(z: torch.Tensor, kept: torch.Tensor, keys: sampling_rows.RowKeys) -> torch.Tensor:
     """The exponential race over the kept tokens with the kernels' Philox draws, in torch."""
     rows, vocab = z.shape
     seeded = keys.seeded.bool()
@@ -139,7 +141,7 @@ def test_prepare_gives_the_statistics_of_logits_over_temperature(rows, vocab) ->
     logits = torch.randn(rows, vocab) * 3
     temperature = torch.rand(rows) + 0.5
     z = logits / temperature[:, None]
-    kinds = modes([sampling.GREEDY] * rows)
+    kinds = modes([sampling_rows.GREEDY] * rows)
     stats = sampling.prepare_logits(logits, temperature, kinds, row_keys(rows), **BLOCKS)
     assert torch.equal(stats.argmax, z.argmax(dim=-1))
     assert torch.equal(stats.sampled, stats.argmax)
@@ -160,7 +162,7 @@ def test_masked_rows_keep_what_torch_keeps_and_race_over_it(rows, vocab, capacit
     top_p = torch.tensor([1.0, 0.6, 0.9, 0.5, 1.0, 1.0, 0.3])[:rows]
     min_p = torch.tensor([0.0, 0.0, 0.02, 0.0, 0.1, 0.0, 0.0])[:rows]
     keys = row_keys(rows, seeds=[None, 5, 6, None, 8, 9, 10][:rows], num_sampled=[4] * rows)
-    kinds = modes([sampling.MASKED] * rows)
+    kinds = modes([sampling_rows.MASKED] * rows)
     stats = sampling.prepare_logits(logits, temperature, kinds, keys, **BLOCKS)
     cutoff = sampling.sample_masked(
         logits, temperature, stats, kinds, keys, top_k, top_p, min_p, capacity=capacity, block=256
@@ -176,7 +178,7 @@ def test_race_rows_sample_in_prepare_with_the_same_draws(rows, vocab) -> None:
     logits = torch.randn(rows, vocab)
     temperature = torch.full((rows,), 0.8)
     keys = row_keys(rows, seeds=[3, None, 4, None, 5, None, 6][:rows], step=2)
-    kinds = modes([sampling.RACE] * rows)
+    kinds = modes([sampling_rows.RACE] * rows)
     stats = sampling.prepare_logits(logits, temperature, kinds, keys, **BLOCKS)
     everything = torch.ones(rows, vocab, dtype=torch.bool)
     assert torch.equal(stats.sampled, race_winners(logits / 0.8, everything, keys))
@@ -185,7 +187,7 @@ def test_race_rows_sample_in_prepare_with_the_same_draws(rows, vocab) -> None:
 def test_race_frequencies_match_the_softmax() -> None:
     logits = torch.tensor([2.0, 1.5, 1.1, 0.7, 0.2, -0.3, -1.0, -2.2])
     num_samples = 800
-    kinds = modes([sampling.RACE] * num_samples)
+    kinds = modes([sampling_rows.RACE] * num_samples)
     keys = row_keys(num_samples, fresh_seed=1234)
     temperature = torch.full((num_samples,), 0.7)
     stats = sampling.prepare_logits(logits.repeat(num_samples, 1), temperature, kinds, keys)
@@ -197,7 +199,7 @@ def test_race_frequencies_match_the_softmax() -> None:
 def test_masked_frequencies_match_the_kept_softmax() -> None:
     logits = torch.tensor([2.0, 1.5, 1.1, 0.7, 0.2, -0.3, -1.0, -2.2])
     num_samples = 250
-    kinds = modes([sampling.MASKED] * num_samples)
+    kinds = modes([sampling_rows.MASKED] * num_samples)
     keys = row_keys(num_samples, fresh_seed=4321)
     rows = logits.repeat(num_samples, 1)
     temperature = torch.ones(num_samples)

@@ -16,7 +16,7 @@ from asyncllm.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # optional dependencies and heavy modules the default CPU server never needs at import
-NOT_AT_IMPORT = ("ray", "xgrammar", "openai", "playwright", "compressed_tensors", "sympy")
+NOT_AT_IMPORT = ("ray", "xgrammar", "openai", "playwright", "compressed_tensors", "sympy", "triton")
 
 
 def test_importing_the_server_leaves_the_optional_dependencies_out() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import ModelConfig
@@ -46,6 +46,9 @@ def load_draft_head(
             _check_sizes(config.hidden_size, config.vocab_size, target_config)
             head = MedusaHeads(config, names)
         else:
+            # imported here: transformers' Llama module costs a CPU server 2.5 s of its start
+            from transformers import LlamaConfig
+
             head = _eagle_head(
                 method, LlamaConfig.from_dict(raw), target, target_config, backend, names
             )
@@ -64,7 +67,7 @@ def tensor_names(folder: Path) -> set[str]:
     return {name.removeprefix("model.") for name in names}
 
 
-def eagle_aux_layers(config: LlamaConfig, num_target_layers: int) -> tuple[int, ...]:
+def eagle_aux_layers(config: PretrainedConfig, num_target_layers: int) -> tuple[int, ...]:
     """The target layers whose input states an EAGLE-3 head reads: the checkpoint's
     eagle_aux_hidden_state_layer_ids, else vLLM's choice (low, middle, high)."""
     nested = getattr(config, "eagle_config", None) or {}
@@ -81,7 +84,7 @@ def eagle_aux_layers(config: LlamaConfig, num_target_layers: int) -> tuple[int, 
 
 def _eagle_head(
     method: str,
-    config: LlamaConfig,
+    config: PretrainedConfig,
     target: nn.Module,
     target_config: ModelConfig,
     backend: AttentionBackend,

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.kv_cache_spec import KVCacheSpec
@@ -37,7 +37,7 @@ class _FirstEagleLayer(DecoderLayer):
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: PretrainedConfig,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
         prefix: str,
@@ -63,7 +63,7 @@ class _Eagle3Layer(DecoderLayer):
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: PretrainedConfig,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
         prefix: str,
@@ -103,7 +103,7 @@ class _HeadBase(nn.Module):
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: PretrainedConfig,
         target: LlamaForCausalLM,
         tensor_names: set[str],
         vocab_size: int,
@@ -160,7 +160,7 @@ class EagleLlamaHead(_HeadBase):
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: PretrainedConfig,
         backend: AttentionBackend,
         target: LlamaForCausalLM,
         tensor_names: set[str],
@@ -198,7 +198,7 @@ class EagleLlamaHead(_HeadBase):
 class Eagle3LlamaHead(_HeadBase):
     def __init__(
         self,
-        config: LlamaConfig,
+        config: PretrainedConfig,
         backend: AttentionBackend,
         target: LlamaForCausalLM,
         tensor_names: set[str],

@@ -27,7 +27,7 @@ from asyncllm.sample.metadata import (
     TokenIndex,
 )
 from asyncllm.sampling_params import SamplingParams
-from kernels.sampling import GREEDY, GREEDY_MASKED, MASKED, RACE, Penalties, RowKeys
+from kernels.sampling_rows import GREEDY, GREEDY_MASKED, MASKED, RACE, Penalties, RowKeys
 
 _ANY_TOKEN = -2  # a bad-word prefix position that matches whatever was sampled there
 

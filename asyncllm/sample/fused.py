@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from asyncllm.sample.edits import apply_token_edits
 from asyncllm.sample.logprobs import LogprobsTensors
 from asyncllm.sample.metadata import SamplingMetadata
-from kernels import sampling
 
 
 def sample_fused(
@@ -27,10 +27,10 @@ def sample_fused(
     raw = logits.clone() if raw_logprobs and meta.allowed is not None else logits
     edited = _edit(logits, meta, keep=raw_logprobs and raw is logits)
     keys = meta.random.tensors
-    stats = sampling.prepare_logits(logits, meta.temperature, meta.modes, keys)
+    stats = kernels.prepare_logits(logits, meta.temperature, meta.modes, keys)
     cutoff = None
     if meta.any_masked and (not meta.all_greedy or processed_logprobs):
-        cutoff = sampling.sample_masked(
+        cutoff = kernels.sample_masked(
             logits,
             meta.temperature,
             stats,
@@ -43,12 +43,12 @@ def sample_fused(
         )
     if raw_logprobs:
         _unedit(logits, meta, *edited)
-        found = sampling.row_logprobs(raw, stats.sampled, n)
+        found = kernels.row_logprobs(raw, stats.sampled, n)
         return stats.sampled, LogprobsTensors(*found)
     if processed_logprobs:
         if cutoff is None:
             cutoff = torch.full_like(meta.temperature, float("-inf"))
-        found = sampling.row_logprobs(logits, stats.sampled, n, meta.temperature, cutoff)
+        found = kernels.row_logprobs(logits, stats.sampled, n, meta.temperature, cutoff)
         return stats.sampled, LogprobsTensors(*found)
     return stats.sampled, None
 
@@ -64,7 +64,7 @@ def _edit(
     if meta.penalties is not None:
         if keep:
             saved_penalties = logits.new_empty(logits.shape[0], meta.penalties.tokens.shape[1])
-        sampling.penalize(logits, meta.penalties, saved_penalties)
+        kernels.penalize(logits, meta.penalties, saved_penalties)
     return saved_edits, saved_penalties
 
 
@@ -76,7 +76,7 @@ def _unedit(
 ) -> None:
     """Puts back the values _edit replaced, the penalties' first."""
     if saved_penalties is not None:
-        sampling.restore(logits, meta.penalties, saved_penalties)
+        kernels.restore(logits, meta.penalties, saved_penalties)
     if saved_edits is not None:
         keys = meta.edits.index.keys(logits.shape[-1])
         logits.view(-1).index_copy_(0, keys, saved_edits)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import kernels
 from asyncllm.sample.metadata import SamplingRequest
-from kernels import sampling
 
 
 def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -100,7 +100,7 @@ class PenaltyHistory:
         self._bounds[host_slots] += 1
         self._grow(self.counts.shape[0], int(self._bounds[host_slots].max()))
         if self.fused:
-            sampling.record(sampled, rows, slots, self.counts, self.seen, self.tokens, self.lengths)
+            kernels.record(sampled, rows, slots, self.counts, self.seen, self.tokens, self.lengths)
             return
         token_ids = sampled.index_select(0, rows)
         keys = slots * self.vocab_size + token_ids

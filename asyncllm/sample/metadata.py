@@ -3,7 +3,7 @@
 SamplingState builds it (asyncllm/sample/state.py, batch.py). Everything optional stays None
 unless some request in the batch uses it. Sparse things (logit bias, banned tokens, allowed
 tokens) travel as flat (row, token) pairs, and the penalties as the requests' token history
-(kernels.sampling.Penalties); the samplers apply them at those tokens only.
+(kernels.sampling_rows.Penalties); the samplers apply them at those tokens only.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from asyncllm.sampling_params import SamplingParams
-from kernels.sampling import Penalties, RowKeys
+from kernels.sampling_rows import Penalties, RowKeys
 
 
 class SamplingRequest(Protocol):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import rejection as rejection_kernel
+import kernels
 
 
 def rejection_sample(
@@ -34,7 +34,7 @@ def rejection_sample(
     max_num_drafts = int(num_drafts.max()) if len(num_drafts) else 0
     args = (target_probs, draft_probs, draft_token_ids, num_drafts, bonus_token_ids)
     if target_probs.is_cuda:
-        return rejection_kernel.rejection_sample(*args, uniforms, exponentials, max_num_drafts)
+        return kernels.rejection_sample(*args, uniforms, exponentials, max_num_drafts)
     return _rejection_sample_torch(*args, uniforms, exponentials, max_num_drafts)
 
 
