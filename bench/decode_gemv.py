@@ -39,7 +39,7 @@ from kernels import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_gemv,
 )
-from kernels.gemv import GemvConfig, choose_gemv_config  # noqa: E402
+from kernels.gemv_kernels import GemvConfig, choose_gemv_config  # noqa: E402
 
 DTYPE = torch.bfloat16
 SWEEP = [

@@ -26,7 +26,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 import kernels  # noqa: E402
 from asyncllm.layers.quantization.int4 import dequantize_int4, pack_int4  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
-from kernels.int4_gemm import _int4_gemv_kernel, _nibbles  # noqa: E402
+from kernels.int4_kernels import _int4_gemv_kernel, _nibbles  # noqa: E402
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 GROUP = 128

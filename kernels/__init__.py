@@ -7,7 +7,8 @@ importable as `kernels` and treats one without a version in its supported range 
 import importlib
 
 # each kernel's module, imported at the kernel's first use: a CPU server never imports triton
-# (0.8 s and 74 MB of its start-up)
+# (0.8 s and 74 MB of its start-up). No module is named as a kernel is: importing a submodule
+# sets the package's attribute of its name, which would hide the kernel
 _MODULE_OF = {
     "silu_and_mul": "activation",
     "reshape_and_cache": "cache",
@@ -16,10 +17,10 @@ _MODULE_OF = {
     "fp8_block_gemm": "fp8_gemm",
     "quantize_fp8": "fp8_quant",
     "fused_experts": "fused_moe",
-    "gemv": "gemv",
-    "rms_norm_gemv": "gemv",
-    "silu_and_mul_gemv": "gemv",
-    "int4_gemm": "int4_gemm",
+    "gemv": "gemv_kernels",
+    "rms_norm_gemv": "gemv_kernels",
+    "silu_and_mul_gemv": "gemv_kernels",
+    "int4_gemm": "int4_kernels",
     "paged_mla_decode": "mla_decode",
     "write_latent_cache": "mla_decode",
     "fused_add_rms_norm": "norm",

@@ -1,6 +1,6 @@
 """Everything between the qkv projection and attention in one launch: q/k RMSNorm, rotary, KV write.
 
-On Hopper it launches with programmatic dependent launch (see kernels/gemv.py): it starts while
+On Hopper it launches with programmatic dependent launch (see kernels/gemv_kernels.py): it starts while
 the projection finishes and waits for it before reading qkv."""
 
 from __future__ import annotations

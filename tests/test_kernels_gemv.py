@@ -22,7 +22,7 @@ from asyncllm.layers.linear import (
 )
 from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm, rms_norm
 from kernels import gemv, rms_norm_gemv, silu_and_mul_gemv
-from kernels.gemv import GemvConfig, choose_gemv_config
+from kernels.gemv_kernels import GemvConfig, choose_gemv_config
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -19,7 +19,7 @@ from asyncllm.layers.quantization.fp8 import (
     quantize_with_scale,
 )
 from asyncllm.layers.quantization.int4 import dequantize_int4, pack_int4
-from kernels.int4_gemm import GEMV_MAX_ROWS
+from kernels.int4_kernels import GEMV_MAX_ROWS
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -189,6 +189,8 @@ def write_hf_folder(gguf_path: Path, out: Path, sampling: dict[str, Any]) -> Non
     reader = GGUFReader(gguf_path)
     info = read_model_info(reader)
     config = moe_config(info.architecture, arch_metadata(reader, info), hf_config(info))
+    if config["model_type"] != "llama":  # the MoE configs leave fields to their classes' defaults
+        del config[COMPLETE_CONFIG_KEY]
     check_expert_tensors(tensor_shapes(reader), config)
     write_weights(reader, info, out / "model.safetensors")
     write_json(out / "config.json", config)
