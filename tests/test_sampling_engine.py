@@ -89,6 +89,9 @@ def test_logprobs_match_the_model_log_softmax(llm, hf_model) -> None:
             assert logprob.decoded_token is not None
 
 
+TOLERANCE = 1e-4
+
+
 def test_prompt_logprobs_match_the_model_log_softmax(tiny_model_dir, hf_model) -> None:
     # a small batch budget makes the prompt arrive in chunks
     llm = LLM(
@@ -102,9 +105,12 @@ def test_prompt_logprobs_match_the_model_log_softmax(tiny_model_dir, hf_model) -
         token_id = prompt[position]
         row = reference[position - 1]
         assert list(logprobs) == list(dict.fromkeys([token_id, *row.topk(3).indices.tolist()]))
-        assert logprobs[token_id].rank == int((row > row[token_id]).sum()) + 1
+        # the rank HF's values give, up to the tokens within the logprobs' tolerance of the
+        # chosen one (49,152 random logits: near-ties an fp32 rounding apart are common)
+        above, near = row > row[token_id] + TOLERANCE, (row - row[token_id]).abs() <= TOLERANCE
+        assert 0 <= logprobs[token_id].rank - int(above.sum()) - 1 <= int(near.sum())
         for candidate, logprob in logprobs.items():
-            assert logprob.logprob == pytest.approx(row[candidate].item(), abs=1e-4)
+            assert logprob.logprob == pytest.approx(row[candidate].item(), abs=TOLERANCE)
 
 
 def test_bad_words_are_never_generated(llm) -> None:
