@@ -342,6 +342,7 @@ def from_schema(schema: dict, spec: dict) -> st.SearchStrategy:
 
 @pytest.fixture(scope="module")
 def spec(connection) -> dict:
+    connection.close()  # reconnects: the shared connection may have idled past the keep-alive
     connection.request("GET", "/openapi.json")
     response = connection.getresponse()
     assert response.status == 200

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,11 +90,31 @@ def report(name: str, **figures: Any) -> None:
 def _machine() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "ASYNCLLM_RELIABILITY_RESULTS=bench/results/reliability_cpu.json "
-        "python -m pytest -q tests/test_reliability_*.py",
+        "command": _command(),
         "device": platform.machine(),
+        "cpu": _cpu(),
         "cpu_threads": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+_VECTOR_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def _cpu() -> dict[str, Any]:
+    """The CPU's model and vector extensions, which every CPU result names."""
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    flags = info.get("flags", "").split()
+    model = info.get("model name", platform.processor())
+    return {"model": model, "vector_extensions": [f for f in _VECTOR_FLAGS if f in flags]}
+
+
+def _command() -> str:
+    """The pytest run that measured, with the ASYNCLLM_ settings it ran under."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ASYNCLLM_")]
+    return " ".join([*settings, "python -m pytest", *sys.argv[1:]])
