@@ -1,7 +1,8 @@
-"""The 4-bit GEMV at one row on the Llama-3.1-8B projections: kernels.int4_gemm as it runs, its
-GEMV kernel over a sweep of tile sizes and warps, and a second design (x loaded once per tile
-as [rows, 8], the tile's sum taken each iteration, one scale row per tile), each as weight bytes
+"""The 4-bit GEMV at one row on the Llama-3.1-8B projections: kernels.int4_gemm as it runs, and
+its GEMV kernel over a sweep of tile sizes, warps, stages and K splits, each as weight bytes
 read per second against the copy bandwidth of the same run and against bf16's kernels.gemv.
+(The committed int4_gemv_sweep_h200.json compared the kernel before the tile-sum design, which
+its best configuration then became, with that design.)
 
     python bench/int4_gemv_sweep.py --out bench/results/int4_gemv_sweep_h200.json
 """
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -26,57 +26,14 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 import kernels  # noqa: E402
 from asyncllm.layers.quantization.int4 import dequantize_int4, pack_int4  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
-from kernels.int4_kernels import _int4_gemv_kernel, _nibbles  # noqa: E402
+from kernels.int4_kernels import _int4_gemv_kernel  # noqa: E402
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 GROUP = 128
 
 
-@triton.jit
-def _gemv_tile_sum_kernel(
-    x_ptr,
-    qw_ptr,
-    s_ptr,
-    z_ptr,
-    out_ptr,
-    N,
-    K,
-    group_size,
-    k_per_split,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-):
-    """One row: out (+)= x[split] @ W[split]; a tile of BLOCK_R packed rows lies in one group."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    shifts = tl.arange(0, 8) * 4
-    r_start = pid_k * (k_per_split // 8)
-    r_end = tl.minimum(r_start + k_per_split // 8, tl.cdiv(K, 8))
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(r_start, r_end, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        packed = tl.load(
-            qw_ptr + r.to(tl.int64)[:, None] * N + cols[None, :],
-            mask=(r < r_end)[:, None] & col_mask[None, :],
-            other=0,
-        )
-        k = r[:, None] * 8 + tl.arange(0, 8)[None, :]
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_R, 8]
-        q = _nibbles(packed[:, None, :], shifts[None, :, None])  # [BLOCK_R, 8, BLOCK_N]
-        dot = tl.sum(tl.sum(x[:, :, None] * q, axis=1), axis=0)
-        g = ((r0 * 8) // group_size).to(tl.int64) * N + cols
-        scale = tl.load(s_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
-        acc += scale * (dot - zero * tl.sum(tl.sum(x, axis=1), axis=0))
-    if SPLIT_K:
-        tl.atomic_add(out_ptr + cols, acc, mask=col_mask)
-    else:
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-def run_current_sweep(x, qw, s, z, n, k, block_n, block_r, warps, stages, splits):
+def run_config(x, qw, s, z, n, k, block_n, block_r, warps, stages, splits):
+    """The GEMV kernel at one row with these launch settings (a tile inside one group)."""
     tile_k = 8 * block_r
     k_per_split = triton.cdiv(triton.cdiv(k, splits), tile_k) * tile_k
     splits = triton.cdiv(k, k_per_split)
@@ -84,22 +41,7 @@ def run_current_sweep(x, qw, s, z, n, k, block_n, block_r, warps, stages, splits
     out = torch.zeros(1, n, dtype=dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n), splits)](
         x, qw, s, z, out, 1, n, k, GROUP, k_per_split,
-        BLOCK_M=1, BLOCK_N=block_n, BLOCK_R=block_r, GROUP_PER_TILE=GROUP % tile_k == 0,
-        SPLIT_K=splits > 1, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
-
-def run_tile_sum(x, qw, s, z, n, k, block_n, block_r, warps, stages, splits):
-    tile_k = 8 * block_r
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), GROUP) * GROUP
-    splits = triton.cdiv(k, k_per_split)
-    assert GROUP % tile_k == 0
-    dtype = torch.float32 if splits > 1 else x.dtype
-    out = torch.zeros(1, n, dtype=dtype, device=x.device)
-    _gemv_tile_sum_kernel[(triton.cdiv(n, block_n), splits)](
-        x, qw, s, z, out, n, k, GROUP, k_per_split,
-        BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=splits > 1,
+        BLOCK_M=1, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=splits > 1,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -143,16 +85,10 @@ def sweep_shape(n: int, k: int, copy_bps: float) -> dict:
     ):
         config = dict(block_n=block_n, block_r=block_r, warps=warps, stages=stages, splits=splits)
         args = (x, qw, s, z, n, k, block_n, block_r, warps, stages, splits)
-        record("tile_sum", config, lambda a=args: run_tile_sum(*a))
-    for block_n, block_r, warps, splits in itertools.product(
-        (64, 128), (8, 16, 32), (4, 8), (1, 4)
-    ):
-        config = dict(block_n=block_n, block_r=block_r, warps=warps, stages=1, splits=splits)
-        args = (x, qw, s, z, n, k, block_n, block_r, warps, 1, splits)
-        record("current_sweep", config, lambda a=args: run_current_sweep(*a))
+        record("gemv_kernel", config, lambda a=args: run_config(*a))
     ok = [r for r in rows if "ms" in r and r["max_rel_err"] < 2e-2]
     best = {name: min((r for r in ok if r["kernel"] == name), key=lambda r: r["ms"], default=None)
-            for name in ("int4_gemm", "tile_sum", "current_sweep")}  # fmt: skip
+            for name in ("int4_gemm", "gemv_kernel")}  # fmt: skip
     return {"n": n, "k": k, "weight_bytes": weight_bytes, "bf16_gemv_ms": bf16_ms,
             "bf16_of_copy_bandwidth": n * k * 2 / (bf16_ms * 1e-3) / copy_bps,
             "best": best, "rows": rows}  # fmt: skip

@@ -44,30 +44,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f"kernels.{_MODULE_OF[name]}"), name)
 
 
-__all__ = [
-    "choose_num_splits",
-    "fp8_block_gemm",
-    "fused_add_rms_norm",
-    "fused_experts",
-    "gemv",
-    "int4_gemm",
-    "norm_rope_and_cache",
-    "paged_decode_attention",
-    "paged_mla_decode",
-    "paged_prefill_attention",
-    "rejection_sample",
-    "penalize",
-    "prepare_logits",
-    "record",
-    "restore",
-    "quantize_fp8",
-    "reshape_and_cache",
-    "rms_norm_gemv",
-    "rms_norm",
-    "rotary_embedding",
-    "row_logprobs",
-    "sample_masked",
-    "silu_and_mul_gemv",
-    "silu_and_mul",
-    "write_latent_cache",
-]
+__all__ = sorted(_MODULE_OF)
