@@ -10,7 +10,7 @@ from asyncllm.sample.rejection import _rejection_sample_torch, rejection_sample
 from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.spec_decode.verify import verify_drafts
+from asyncllm.spec_decode.verify import DraftLayout, verify_drafts
 from kernels import rejection as rejection_kernel
 
 VOCAB = 8
@@ -141,7 +141,8 @@ def test_verify_samples_every_draft_position_with_the_requests_settings(temperat
     meta = SamplingState(torch.device("cpu"), VOCAB, fused=False).metadata(requests)
     draft = int(logits.argmax())
     drafts = [[draft] for _ in requests]
-    verification = verify_drafts(Sampler(), logits.expand(2 * SAMPLES, VOCAB), meta, drafts)
+    rows = logits.expand(2 * SAMPLES, VOCAB)
+    verification = verify_drafts(Sampler(), rows, meta, drafts, DraftLayout.of(drafts))
     tokens, _, verified = verification.results(list(range(SAMPLES)), SAMPLES)
     want = processed(logits, temperature, top_k, top_p)
     assert chi_square(torch.tensor(tokens), want) < CHI2_CRITICAL_7_DF

@@ -228,11 +228,14 @@ def counts_moved_on(requests: Iterable[Request], drafts: list[list[int]]) -> lis
 
 
 def verify_drafts(
-    sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    drafts: list[list[int]],
+    layout: DraftLayout,
 ) -> DraftVerification:
     """logits [P, V] at every scored position (DraftLayout's order), meta one row per sampling
-    row, drafts per sampling row."""
-    layout = DraftLayout.of(drafts)
+    row, drafts per sampling row and layout = DraftLayout.of(drafts)."""
     device = logits.device
     tensors = LayoutTensors.of(layout, drafts, device)
     repeated = repeat_metadata(meta, layout, tensors)

@@ -202,8 +202,8 @@ class ModelRunner:
         drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
         # the grammars' allowed tokens are filled on the matchers' thread while the forward
         # pass is enqueued and runs (constrained requests get no drafts)
-        logits_rows = DraftLayout.of(drafts).starts
-        constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows, logits_rows)
+        layout = DraftLayout.of(drafts)
+        constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows, layout.starts)
         if constrained:
             self.grammar_matchers.start_fill(constrained)
         hidden, logits, aux_hidden = self._forward(plan, inputs)
@@ -215,7 +215,7 @@ class ModelRunner:
                 bitmask = self.grammar_matchers.bitmask(constrained, logits.shape[0])
                 apply_token_bitmask(logits, bitmask)
             if any(drafts):
-                verification = verify_drafts(self.sampler, logits, meta, drafts)
+                verification = verify_drafts(self.sampler, logits, meta, drafts, layout)
                 next_token_ids = verification.next_token_ids
             else:
                 sampled = self.sampler(logits, meta)
