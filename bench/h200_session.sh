@@ -15,8 +15,12 @@
 #   bench/h200_session.sh moe OUT         MoE/MLA GPU tests, fused-MoE tile sweep at decode sizes,
 #                                         and kernel figures per shape
 #   bench/h200_session.sh moe_offline OUT  the offline workload per MoE/MLA shape
+#   bench/h200_session.sh round3 OUT      GPU tests of the FP8 cache and speculation; speculation
+#                                         at batch 1 and 32 and its batch-1 host profile; the
+#                                         structured step masked with a real tokenizer
 # Wheels the GPU image lacks (orjson, gguf) travel in .whl/; serving needs the SmolLM2 tokenizer
-# files in .tok/ (the serving benchmark times text). The device returns at most 8 files from its
+# files in .tok/SmolLM2-135M-Instruct/ (the serving benchmark times text; the structured
+# step masks with that real tokenizer). The device returns at most 8 files from its
 # OUT: give these a folder and tar it into OUT.
 set -uo pipefail
 what=$1 out=$(realpath -m "$2")
@@ -31,7 +35,7 @@ serving_model() {  # the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenize
 import json, shutil
 from asyncllm.models.shapes import SHAPES
 config = dict(SHAPES["qwen3-0.6b"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
-shutil.copytree(".tok", "/tmp/q3", dirs_exist_ok=True)
+shutil.copytree(".tok/SmolLM2-135M-Instruct", "/tmp/q3", dirs_exist_ok=True)
 json.dump(config, open("/tmp/q3/config.json", "w"))
 PY
 }
@@ -93,11 +97,27 @@ round2)
     > "$out/spec_decode_h200.txt" 2>&1
   tail -4 "$out/spec_decode_h200.txt"
   timeout 100 python3 bench/structured.py --part step --batch 256 --steps 40 \
+    --tokenizer .tok/SmolLM2-135M-Instruct \
     --out "$out/structured_step_h200.json" > "$out/structured_step_h200.txt" 2>&1
   tail -4 "$out/structured_step_h200.txt"
   timeout 150 python3 bench/quant.py --part decode --out "$out/quant_decode_h200.json" \
     > "$out/quant_decode_h200.txt" 2>&1
   tail -6 "$out/quant_decode_h200.txt"
+  ;;
+round3)
+  timeout 200 python3 -m pytest -rf -q -p no:cacheprovider tests/test_quant_kv_cache.py \
+    tests/test_spec_gpu.py tests/test_gpu_engine.py -k "not equals_hf" \
+    > "$out/gpu_tests_round3_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_round3_h200.txt"
+  timeout 150 python3 bench/spec_decode.py --shape llama-3.1-8b --out "$out/spec_decode_h200.json" \
+    > "$out/spec_decode_h200.txt" 2>&1
+  tail -4 "$out/spec_decode_h200.txt"
+  timeout 80 python3 bench/spec_decode.py --shape llama-3.1-8b --batch-sizes 1 \
+    --profile "$out/spec_profile_b1_h200.txt" > /dev/null 2>&1
+  timeout 120 python3 bench/structured.py --part step --batch 256 --steps 40 \
+    --tokenizer .tok/SmolLM2-135M-Instruct \
+    --out "$out/structured_step_h200.json" > "$out/structured_step_h200.txt" 2>&1
+  tail -4 "$out/structured_step_h200.txt"
   ;;
 moe_offline)
   for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do

@@ -11,8 +11,13 @@ same run).
 --part health: a running `asyncllm serve` takes 64 requests with a distinct 50-field schema each;
 the longest /health reply while they compile (probes every 10 ms).
 
-The model folder has a synthetic byte-level tokenizer of Qwen3's size (no tokenizer is on the
-H200): byte tokens, then 2- and 3-character pieces of JSON's alphabet, then random words.
+The model folder's tokenizer is a real one copied from --tokenizer (a folder with tokenizer.json,
+e.g. the default model's converted folder: no tokenizer of Qwen3's own is on the H200), its ids
+below Qwen3's 151,936 logits and the rest masked; without --tokenizer a synthetic byte-level one of
+Qwen3's size: byte tokens, then 2- and 3-character pieces of JSON's alphabet, then random words.
+The synthetic one is a worst case, not a model's: nearly every token is a possible piece of a
+JSON string, so xgrammar can settle few of them ahead and its fill costs about 1.4 ms a row on
+the CPU here against 6 us with SmolLM2's tokenizer (bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -61,15 +66,26 @@ def byte_level_vocab(size: int, seed: int = 0) -> list[str]:
     return list(pieces)[:size]
 
 
-def qwen3_folder_with_tokenizer() -> Path:
-    """bench/sampler.py's dummy Qwen3-0.6B folder, with the synthetic tokenizer added."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+def qwen3_folder_with_tokenizer(tokenizer: Path | None) -> Path:
+    """bench/sampler.py's dummy Qwen3-0.6B folder, with the real tokenizer of the folder
+    `tokenizer` or, without one, the synthetic one added."""
     spec = importlib.util.spec_from_file_location("sampler", Path(__file__).with_name("sampler.py"))
     sampler = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sampler)
     path = sampler.qwen3_0_6b_folder()
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(path)
+    else:
+        save_synthetic_tokenizer(path)
+    return path
+
+
+def save_synthetic_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {piece: i for i, piece in enumerate(byte_level_vocab(TOKENIZER_SIZE))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -78,7 +94,13 @@ def qwen3_folder_with_tokenizer() -> Path:
     tokenizer.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>")
     fast.save_pretrained(path)
-    return path
+
+
+def tokenizer_size_and_eos(folder: Path) -> tuple[int, int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return len(tokenizer), tokenizer.eos_token_id
 
 
 def schema(index: int, num_fields: int) -> dict:
@@ -155,6 +177,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     schemas = [StructuredOutputsParams(json=schema(i, 20)) for i in range(batch)]
     if constrained:  # compiled ahead, so that every request is admitted at once
         concurrent.futures.wait([core.grammar_compiler.submit(p) for p in schemas])
+    tokenizer_size, _ = tokenizer_size_and_eos(folder)
     rng = random.Random(1)
     for i in range(batch):
         structured = schemas[i] if constrained else None
@@ -164,7 +187,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
             ignore_eos=not constrained,
             structured_outputs=structured,
         )
-        prompt = [rng.randrange(100, TOKENIZER_SIZE) for _ in range(prompt_len)]
+        prompt = [rng.randrange(100, tokenizer_size) for _ in range(prompt_len)]
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": prompt}, params)
         llm.add_request(request, None)
     step_ms, fill_in_step_ms, wait_in_step_ms = [], [], []
@@ -201,8 +224,8 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     return result
 
 
-def part_step(batch: int, steps: int) -> dict:
-    folder = qwen3_folder_with_tokenizer()
+def part_step(batch: int, steps: int, tokenizer: Path | None) -> dict:
+    folder = qwen3_folder_with_tokenizer(tokenizer)
     free = decode_steps(folder, False, batch, steps)
     print(f"unconstrained: {free}", flush=True)
     held = decode_steps(folder, True, batch, steps)
@@ -220,14 +243,14 @@ def part_step(batch: int, steps: int) -> dict:
     }
 
 
-def part_compile(num_schemas: int) -> dict:
+def part_compile(num_schemas: int, tokenizer: Path | None) -> dict:
     import xgrammar as xgr
 
     from asyncllm.structured_output.compiler import GrammarCompiler, tokenizer_info
 
-    folder = qwen3_folder_with_tokenizer()
+    folder = qwen3_folder_with_tokenizer(tokenizer)
     start = time.perf_counter()
-    info = tokenizer_info(folder, VOCAB, [EOS])
+    info = tokenizer_info(folder, VOCAB, [tokenizer_size_and_eos(folder)[1]])
     vocabulary_s = time.perf_counter() - start
     compiler = GrammarCompiler(lambda: info)
     compiler.compile(StructuredOutputsParams(json_object=True))  # builds xgrammar's compiler
@@ -293,10 +316,10 @@ async def _health_during_compiles(url: str, num_requests: int) -> dict:
     }
 
 
-def part_health(num_requests: int) -> dict:
+def part_health(num_requests: int, tokenizer: Path | None) -> dict:
     import re
 
-    folder = qwen3_folder_with_tokenizer()
+    folder = qwen3_folder_with_tokenizer(tokenizer)
     log = folder / "server.log"
     command = [
         sys.executable,
@@ -336,14 +359,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--schemas", type=int, default=10)
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a real tokenizer's folder")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.part == "step":
-        result = part_step(args.batch, args.steps)
+        result = part_step(args.batch, args.steps, args.tokenizer)
     elif args.part == "compile":
-        result = part_compile(args.schemas)
+        result = part_compile(args.schemas, args.tokenizer)
     else:
-        result = part_health(args.requests)
+        result = part_health(args.requests, args.tokenizer)
     print(json.dumps(result, indent=2), flush=True)
     import xgrammar
 
@@ -355,6 +379,7 @@ def main() -> None:
         "torch": torch.__version__,
         "xgrammar": getattr(xgrammar, "__version__", None) or _version("xgrammar"),
         "part": args.part,
+        "tokenizer": str(args.tokenizer) if args.tokenizer else "synthetic (worst case)",
         "result": result,
     }
     if args.out is not None:

@@ -1,6 +1,7 @@
 """The host cost of structured outputs in a decode step, on the CPU: filling the token bitmasks of
 256 requests, each held to a JSON schema of its own (20 fields, bench/structured.py's schemas,
-against its synthetic 151,643-token byte-level vocabulary of Qwen3's size), one matcher at a
+against a real tokenizer's vocabulary from --tokenizer, padded to Qwen3's 151,936 logits, or
+without it bench/structured.py's synthetic worst case of Qwen3's size), one matcher at a
 time against xgrammar's batched fill at several thread counts, and through the worker's
 GrammarMatchers (the fill thread, the batched fill and the row copies).
 
@@ -88,6 +89,24 @@ def advanced_matchers(
     return matchers, walks
 
 
+def tokenizer_info(structured, folder: Path | None) -> tuple[xgr.TokenizerInfo, int]:
+    """xgrammar's view of the real tokenizer in `folder` (or the synthetic one) and its size."""
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=structured.VOCAB)
+        return info, len(tokenizer)
+    vocab = structured.byte_level_vocab(structured.TOKENIZER_SIZE)
+    info = xgr.TokenizerInfo(
+        vocab,
+        vocab_type=xgr.VocabType.BYTE_LEVEL,
+        vocab_size=structured.VOCAB,
+        stop_token_ids=[structured.EOS],
+    )
+    return info, structured.TOKENIZER_SIZE
+
+
 def median_ms(fill, repeats: int) -> float:
     fill()  # warm: the threads start, the caches fill
     times = []
@@ -104,16 +123,11 @@ def main() -> None:
     parser.add_argument("--fields", type=int, default=20)
     parser.add_argument("--walk", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a real tokenizer's folder")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     structured = structured_bench()
-    vocab = structured.byte_level_vocab(structured.TOKENIZER_SIZE)
-    info = xgr.TokenizerInfo(
-        vocab,
-        vocab_type=xgr.VocabType.BYTE_LEVEL,
-        vocab_size=structured.VOCAB,
-        stop_token_ids=[structured.EOS],
-    )
+    info, tokenizer_size = tokenizer_info(structured, args.tokenizer)
     compiler = xgr.GrammarCompiler(info)
     start = time.perf_counter()
     grammars = [
@@ -123,9 +137,7 @@ def main() -> None:
         for i in range(args.batch)
     ]
     compile_s = time.perf_counter() - start
-    matchers, walks = advanced_matchers(
-        grammars, structured.VOCAB, structured.TOKENIZER_SIZE, args.walk, 0
-    )
+    matchers, walks = advanced_matchers(grammars, structured.VOCAB, tokenizer_size, args.walk, 0)
     mask = xgr.allocate_token_bitmask(args.batch, structured.VOCAB)
 
     def one_at_a_time() -> None:
@@ -158,6 +170,8 @@ def main() -> None:
     runner_ms = median_ms(through_runner, args.repeats)
     best = min(batched_ms.values())
     result = {
+        "tokenizer": str(args.tokenizer) if args.tokenizer else "synthetic (worst case)",
+        "tokenizer_size": tokenizer_size,
         "batch": args.batch,
         "fields": args.fields,
         "walk_tokens_max": args.walk,
