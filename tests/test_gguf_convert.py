@@ -14,6 +14,7 @@ from asyncllm.model_files import gguf_convert
 from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, cached_folder, convert_gguf
 from asyncllm.model_files.model_path import (
     DEFAULT_MODEL_SAMPLING,
+    DEFAULT_MODEL_WEIGHTS,
     default_gguf_path,
     resolve_model_path,
 )
@@ -84,7 +85,10 @@ def test_chat_template_comes_from_gguf(default_tokenizer) -> None:
 
 def test_second_conversion_returns_cached_folder(default_folder: Path) -> None:
     start = time.perf_counter()
-    assert convert_gguf(default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING) == default_folder
+    folder = convert_gguf(
+        default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING, weights=DEFAULT_MODEL_WEIGHTS
+    )
+    assert folder == default_folder
     assert time.perf_counter() - start < 2.0
 
 
