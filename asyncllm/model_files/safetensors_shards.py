@@ -22,9 +22,9 @@ from tqdm import tqdm
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _HEADER_ALIGNMENT = 8  # the data then starts 8-byte aligned, as the safetensors writer pads it
-# a chunk is converted this many values at a time: the bf16 rounding's temporaries take 8 bytes
-# a value, twice the float32 chunk itself
-_CONVERT_VALUES = 1 << 22
+# a chunk is converted this many values at a time: the bf16 rounding's temporaries take about
+# 20 bytes a value, five times the float32 chunk itself
+_CONVERT_VALUES = 1 << 20
 
 
 @dataclass(frozen=True)
