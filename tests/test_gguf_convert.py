@@ -1,24 +1,34 @@
 import json
 import time
+import tracemalloc
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.quants import dequantize, quantize
 from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch_file
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncllm.model_files import gguf_convert
-from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, cached_folder, convert_gguf
+from asyncllm.model_files.gguf_convert import (
+    CACHE_ENV_VAR,
+    WeightsFormat,
+    cached_folder,
+    convert_gguf,
+)
 from asyncllm.model_files.model_path import (
     DEFAULT_MODEL_SAMPLING,
+    DEFAULT_MODEL_WEIGHTS,
     default_gguf_path,
     resolve_model_path,
 )
 
 IM_END = 2
+F32, F16, Q8_0 = (gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "Q8_0"))
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +94,10 @@ def test_chat_template_comes_from_gguf(default_tokenizer) -> None:
 
 def test_second_conversion_returns_cached_folder(default_folder: Path) -> None:
     start = time.perf_counter()
-    assert convert_gguf(default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING) == default_folder
+    folder = convert_gguf(
+        default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING, weights=DEFAULT_MODEL_WEIGHTS
+    )
+    assert folder == default_folder
     assert time.perf_counter() - start < 2.0
 
 
@@ -173,8 +186,7 @@ def add_synthetic_tokenizer(writer: gguf.GGUFWriter, vocab: list[str], pre: str 
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
-def write_synthetic_gguf(path: Path, tensors: dict[str, np.ndarray], vocab: list[str]) -> None:
-    writer = gguf.GGUFWriter(path, "llama")
+def add_synthetic_llama_metadata(writer: gguf.GGUFWriter, vocab: list[str]) -> None:
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -184,12 +196,38 @@ def write_synthetic_gguf(path: Path, tensors: dict[str, np.ndarray], vocab: list
     writer.add_rope_freq_base(50000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     add_synthetic_tokenizer(writer, vocab)
+
+
+def write_synthetic_gguf(
+    path: Path,
+    tensors: dict[str, np.ndarray],
+    vocab: list[str],
+    matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> None:
+    """`matrix_type`: the type the 2-D tensors are stored in (the norms stay F32)."""
+    writer = gguf.GGUFWriter(path, "llama")
+    add_synthetic_llama_metadata(writer, vocab)
     for name, tensor in tensors.items():
         if ".q_proj." in name:
             tensor = llama_cpp_permute(tensor, HEADS)
         elif ".k_proj." in name:
             tensor = llama_cpp_permute(tensor, KV_HEADS)
-        writer.add_tensor(gguf_name(name), tensor)
+        add_tensor(writer, gguf_name(name), tensor, matrix_type if tensor.ndim > 1 else F32)
+    write_and_close(writer)
+
+
+def add_tensor(
+    writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, kind: gguf.GGMLQuantizationType
+) -> None:
+    if kind == F16:
+        writer.add_tensor(name, tensor.astype(np.float16))
+    elif kind == F32:
+        writer.add_tensor(name, tensor)
+    else:
+        writer.add_tensor(name, quantize(tensor, kind), raw_dtype=kind)
+
+
+def write_and_close(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -250,3 +288,103 @@ def test_interrupted_conversion_leaves_nothing(
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(synthetic_gguf[0], cache_root=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor
+        for file in sorted(folder.glob("*.safetensors"))
+        for name, tensor in load_torch_file(file).items()
+    }
+
+
+@torch.inference_mode()
+def test_sharded_conversion_loads_as_the_single_file(
+    synthetic_gguf: tuple[Path, dict[str, np.ndarray]], synthetic_folder: Path
+) -> None:
+    """A small shard bound: several shards and Hugging Face's index, which transformers loads
+    to the logits of the one-file conversion."""
+    path, original = synthetic_gguf
+    bound = 64 * 1024  # the embedding and lm_head (67 KB each) have a shard alone
+    folder = convert_gguf(
+        path, cache_root=path.parent / "cache", weights=WeightsFormat(max_shard_bytes=bound)
+    )
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) > 3 and not (folder / "model.safetensors").exists()
+    index = read_json(folder / "model.safetensors.index.json")
+    assert set(index["weight_map"].values()) == {shard.name for shard in shards}
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in original.values())
+    for shard in shards:
+        tensors = load_torch_file(shard)
+        assert sum(t.nbytes for t in tensors.values()) <= bound or len(tensors) == 1
+        assert all(index["weight_map"][name] == shard.name for name in tensors)
+    ids = torch.randint(
+        0, len(synthetic_vocab()), (1, 13), generator=torch.Generator().manual_seed(0)
+    )
+    logits = [
+        AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32)(ids).logits
+        for f in (synthetic_folder, folder)
+    ]
+    assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize(
+    ("matrix_type", "dtype"),
+    [(Q8_0, torch.bfloat16), (F16, torch.float16)],
+)
+def test_matrix_types_pick_the_dtype(
+    matrix_type: gguf.GGMLQuantizationType, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """A quantized file converts to bfloat16 (torch's rounding of the dequantized values), an
+    F16 one to float16 (exact); the F32 norms follow."""
+    tensors = synthetic_hf_tensors(len(synthetic_vocab()))
+    path = tmp_path / "typed.gguf"
+    write_synthetic_gguf(path, tensors, synthetic_vocab(), matrix_type)
+    folder = convert_gguf(path, cache_root=tmp_path / "cache")
+    assert read_json(folder / "config.json")["torch_dtype"] == str(dtype).removeprefix("torch.")
+    converted = folder_tensors(folder)
+    assert converted.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        stored = stored_values(tensor, matrix_type if tensor.ndim > 1 else F32)
+        expected = torch.from_numpy(stored).to(dtype)
+        assert torch.equal(converted[name], expected), name
+
+
+def stored_values(tensor: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """The float32 values the GGUF holds for `tensor` stored as `kind`."""
+    if kind == F16:
+        return tensor.astype(np.float16).astype(np.float32)
+    if kind == F32:
+        return tensor
+    return dequantize(quantize(tensor, kind), kind)
+
+
+def test_conversion_memory_stays_below_a_shard(tmp_path: Path) -> None:
+    """Merged expert tensors several shards big (12 MiB as bf16, each gate_up_proj a 4 MiB
+    shard alone; 24 MiB dequantized) convert with a traced peak (numpy's arrays included)
+    below one shard: one expert at a time is dequantized, joined and written."""
+    experts, inner, hidden, bound = 16, 128, 512, 4 * 2**20
+    writer = gguf.GGUFWriter(tmp_path / "moe.gguf", "llama")
+    add_synthetic_llama_metadata(writer, synthetic_vocab())
+    rng = np.random.default_rng(0)
+    shapes = {"gate": (inner, hidden), "up": (inner, hidden), "down": (hidden, inner)}
+    for layer in range(LAYERS):
+        for projection, shape in shapes.items():
+            values = rng.standard_normal((experts, *shape), dtype=np.float32)
+            add_tensor(writer, f"blk.{layer}.ffn_{projection}_exps.weight", values, Q8_0)
+    write_and_close(writer)
+    del writer, values
+    tracemalloc.start()
+    try:
+        folder = convert_gguf(
+            tmp_path / "moe.gguf",
+            cache_root=tmp_path / "cache",
+            weights=WeightsFormat(max_shard_bytes=bound),
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    shards = sorted(folder.glob("*.safetensors"))
+    sizes = [shard.stat().st_size for shard in shards]
+    assert len(shards) >= 3 and sum(sizes) > 3 * bound
+    assert peak < bound, f"peak {peak / 2**20:.1f} MiB"

@@ -21,7 +21,12 @@ from test_moe_models import CONFIGS, DEEPSEEK, TINY, YARN, kv_caches, metadata
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.attention.torch_backend import TorchAttentionBackend
-from asyncllm.model_files.gguf_convert import CACHE_ENV_VAR, byte_level_pre_tokenizer, convert_gguf
+from asyncllm.model_files.gguf_convert import (
+    CACHE_ENV_VAR,
+    WeightsFormat,
+    byte_level_pre_tokenizer,
+    convert_gguf,
+)
 from asyncllm.model_files.gguf_moe import moe_config
 from asyncllm.models.loader import iter_safetensors
 from asyncllm.models.registry import get_model_class
@@ -232,14 +237,34 @@ def converted(request, tmp_path_factory) -> tuple[transformers.PreTrainedModel, 
     return tiny.hf, folder
 
 
-@torch.inference_mode()
-def test_logits_match_hf(converted: tuple[transformers.PreTrainedModel, Path]) -> None:
-    hf, folder = converted
+def our_logits(folder: Path) -> torch.Tensor:
     ours = load_ours(folder)
     ids = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(1))
     hidden = ours(ids, torch.arange(21), kv_caches(ours), metadata([(0, 21)], [list(range(6))]))
+    return ours.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def test_logits_match_hf(converted: tuple[transformers.PreTrainedModel, Path]) -> None:
+    hf, folder = converted
+    ids = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(1))
     expected = hf(ids[None]).logits[0]
-    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(our_logits(folder), expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_sharded_conversion_gives_the_same_logits(
+    converted: tuple[transformers.PreTrainedModel, Path],
+) -> None:
+    """The stacked experts (and DeepSeek's joined kv_b) streamed into 16 KiB shards."""
+    folder = converted[1]
+    root = folder.parents[2]  # <root>/cache/gguf/<folder>
+    sharded = convert_gguf(
+        root / "tiny.gguf", cache_root=root / "cache", weights=WeightsFormat(max_shard_bytes=2**14)
+    )
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert torch.equal(our_logits(sharded), our_logits(folder))
 
 
 def test_config_comes_from_metadata(converted: tuple[transformers.PreTrainedModel, Path]) -> None:

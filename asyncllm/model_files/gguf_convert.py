@@ -3,8 +3,10 @@ Hugging Face model folder.
 
 The folder holds config.json, generation_config.json (with the sampling settings the caller
 recommends for the model, which a GGUF file does not carry), the tokenizer files (with the chat
-template) and model.safetensors in float32, so everything downstream only ever loads Hugging Face
-folders.
+template) and the weights as safetensors shards (model.safetensors, or shards with
+model.safetensors.index.json past MAX_SHARD_BYTES), so everything downstream only ever loads Hugging
+Face folders. The weights stream: one tensor (one expert of a stacked expert tensor) is dequantized
+and written at a time, so converting a file of any size takes about that much memory.
 """
 
 from __future__ import annotations
@@ -14,27 +16,33 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
-from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from tqdm import tqdm
 
 from asyncllm.model_files.gguf_moe import (
     applies_llama_rope_permutation,
     check_expert_tensors,
     moe_config,
     moe_tensor_name,
-    stack_split_tensors,
+    stack_split_sources,
 )
+from asyncllm.model_files.safetensors_shards import FORMATS, TensorSource, write_shards
 
 # Bump when the folder layout or contents change, so stale cached folders are not reused.
-CONVERTER_VERSION = 2
+# 3: the weights in the dtype weights_dtype picks, sharded past MAX_SHARD_BYTES.
+CONVERTER_VERSION = 3
+# Hugging Face's shard size bound is 5 GB; any bound does, the memory a conversion takes does
+# not depend on it
+MAX_SHARD_BYTES = 4 * 2**30
+AUTO_DTYPE = "auto"
 # config.json's mark of a config written whole here: every field the model reads is in it, so
 # it is read without its model's config class (transformers' LlamaConfig import took 2.5 s of
 # the server's start-up, most of it in torch.distributed.tensor, which it imports)
@@ -133,22 +141,35 @@ class GGUFModelInfo:
     architecture: str = "llama"
 
 
+@dataclass(frozen=True)
+class WeightsFormat:
+    """How the converted folder holds the weights."""
+
+    dtype: str = AUTO_DTYPE  # a safetensors_shards.FORMATS key, or AUTO_DTYPE: weights_dtype's
+    max_shard_bytes: int = MAX_SHARD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.dtype != AUTO_DTYPE and self.dtype not in FORMATS:
+            raise ValueError(f"dtype must be one of {AUTO_DTYPE}, {', '.join(FORMATS)}")
+
+
 def convert_gguf(
     gguf_path: str | Path,
     cache_root: Path | None = None,
     sampling: dict[str, Any] | None = None,
+    weights: WeightsFormat = WeightsFormat(),
 ) -> Path:
     """Return the Hugging Face folder for `gguf_path`, converting it on the first call.
     `sampling`: Hugging Face generation settings (temperature, top_p, max_new_tokens, ...) to
     write into its generation_config.json."""
     gguf_path = Path(gguf_path).expanduser().resolve()
-    target = cached_folder(gguf_path, cache_root, sampling)
+    target = cached_folder(gguf_path, cache_root, sampling, weights)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_hf_folder(gguf_path, staging, sampling or {})
+        write_hf_folder(gguf_path, staging, sampling or {}, weights)
         make_shareable(staging)
         staging.rename(target)
     except OSError:
@@ -166,12 +187,16 @@ def cache_dir(cache_root: Path | None = None) -> Path:
 
 
 def cached_folder(
-    gguf_path: Path, cache_root: Path | None = None, sampling: dict[str, Any] | None = None
+    gguf_path: Path,
+    cache_root: Path | None = None,
+    sampling: dict[str, Any] | None = None,
+    weights: WeightsFormat = WeightsFormat(),
 ) -> Path:
     """`<cache>/gguf/<stem>-<key>`; the key changes when the file is replaced or rewritten, or
-    the sampling settings change."""
+    the sampling settings or the weights' format change."""
     stat = gguf_path.stat()
     identity = f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}:v{CONVERTER_VERSION}"
+    identity += f":{weights.dtype}:{weights.max_shard_bytes}"
     if sampling:
         identity += ":" + json.dumps(sampling, sort_keys=True)
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
@@ -185,14 +210,17 @@ def make_shareable(folder: Path) -> None:
         path.chmod(0o644)
 
 
-def write_hf_folder(gguf_path: Path, out: Path, sampling: dict[str, Any]) -> None:
+def write_hf_folder(
+    gguf_path: Path, out: Path, sampling: dict[str, Any], weights: WeightsFormat
+) -> None:
     reader = GGUFReader(gguf_path)
     info = read_model_info(reader)
-    config = moe_config(info.architecture, arch_metadata(reader, info), hf_config(info))
+    dtype = weights_dtype(reader) if weights.dtype == AUTO_DTYPE else weights.dtype
+    config = moe_config(info.architecture, arch_metadata(reader, info), hf_config(info, dtype))
     if config["model_type"] != "llama":  # the MoE configs leave fields to their classes' defaults
         del config[COMPLETE_CONFIG_KEY]
     check_expert_tensors(tensor_shapes(reader), config)
-    write_weights(reader, info, out / "model.safetensors")
+    write_weights(reader, info, out, dtype, weights.max_shard_bytes)
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {**generation_config(info), **sampling})
     write_tokenizer(reader, info, gguf_path, out)
@@ -293,21 +321,67 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_weights(reader: GGUFReader, info: GGUFModelInfo, path: Path) -> None:
-    tensors: dict[str, np.ndarray] = {}
+_FULL_PRECISION_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F64}
+_HALF_TYPES = {GGMLQuantizationType.F16: "float16", GGMLQuantizationType.BF16: "bfloat16"}
+
+
+def weights_dtype(reader: GGUFReader) -> str:
+    """The dtype the folder holds the weights in, from the types of the file's matrices (its
+    1-D norms are F32 in every llama.cpp file and say nothing):
+    - float32 when a matrix is F32 (the publisher kept full precision; 16 bits would round it),
+      or when F16 and BF16 matrices mix (neither holds the other);
+    - float16 or bfloat16 when every matrix is that type: it holds them exactly;
+    - bfloat16 for a quantized file: no 16-bit type holds its values (an f16 scale times an
+      integer, plus an f16 minimum) exactly, and their quantization error is far above bf16's
+      rounding (2^-9); bf16 has float32's range, and it is the dtype the engine serves in on a
+      GPU, so loading rounds nothing again."""
+    types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
+    halves = types & set(_HALF_TYPES)
+    if types & _FULL_PRECISION_TYPES or len(halves) > 1:
+        return "float32"
+    if types and types == halves:
+        return _HALF_TYPES[halves.pop()]
+    return "bfloat16"
+
+
+def write_weights(
+    reader: GGUFReader, info: GGUFModelInfo, out: Path, dtype: str, max_shard_bytes: int
+) -> None:
+    write_shards(list(weight_sources(reader, info).values()), out, dtype, max_shard_bytes)
+
+
+def weight_sources(reader: GGUFReader, info: GGUFModelInfo) -> dict[str, TensorSource]:
+    """Each Hugging Face tensor by name, as the GGUF tensors it is read from."""
     permuted = applies_llama_rope_permutation(info.architecture)
-    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors", unit="tensor"):
-        weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if permuted and tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
-            weight = unpermute_rotary(weight, info.num_heads)
-        elif permuted and tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
-            weight = unpermute_rotary(weight, info.num_kv_heads)
-        tensors[hf_tensor_name(tensor.name)] = np.ascontiguousarray(weight)
-    stack_split_tensors(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    sources: dict[str, TensorSource] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        heads = rotary_heads(tensor.name, info) if permuted else None
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        sources[name] = TensorSource(name, shape, partial(dequantized_chunks, tensor, heads))
+    stack_split_sources(sources)
+    return sources
 
 
-def hf_config(info: GGUFModelInfo) -> dict[str, Any]:
+def rotary_heads(gguf_name: str, info: GGUFModelInfo) -> int | None:
+    """The head count whose rows llama.cpp permuted in this tensor (None: not a Q/K one)."""
+    if gguf_name.startswith("blk.") and ".attn_q." in gguf_name:
+        return info.num_heads
+    if gguf_name.startswith("blk.") and ".attn_k." in gguf_name:
+        return info.num_kv_heads
+    return None
+
+
+def dequantized_chunks(tensor: ReaderTensor, rotary: int | None) -> Iterator[np.ndarray]:
+    """The tensor's float32 values; a merged expert tensor's one expert at a time.
+    `rotary`: the head count whose Q/K row permutation to undo."""
+    parts = tensor.data if len(tensor.shape) > 2 else [tensor.data]
+    for part in parts:
+        weight = dequantize(part, tensor.tensor_type).astype(np.float32, copy=False)
+        yield weight if rotary is None else unpermute_rotary(weight, rotary)
+
+
+def hf_config(info: GGUFModelInfo, dtype: str) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -330,8 +404,8 @@ def hf_config(info: GGUFModelInfo) -> dict[str, Any]:
         "bos_token_id": info.bos_token_id,
         "eos_token_id": one_or_list(info.eos_token_ids),
         "pad_token_id": info.pad_token_id,
-        "torch_dtype": "float32",
-        "dtype": "float32",
+        "torch_dtype": dtype,
+        "dtype": dtype,
         COMPLETE_CONFIG_KEY: True,
     }
 

@@ -12,10 +12,13 @@ expert, blk.N.ffn_gate.E; they are stacked the same way.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
+
+from asyncllm.model_files.safetensors_shards import TensorSource
 
 # per-layer GGUF stems -> Hugging Face names after `model.layers.N.`, suffix kept
 _LAYER_TENSORS = {
@@ -31,7 +34,7 @@ _LAYER_TENSORS = {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
-    # halves that stack_split_tensors joins: gate_up_proj and DeepSeek's kv_b_proj
+    # halves that stack_split_sources joins: gate_up_proj and DeepSeek's kv_b_proj
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "attn_k_b": "self_attn.k_b_proj",
@@ -246,30 +249,56 @@ def split_expert_stacks(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[i
     return stacks
 
 
-def stack_split_tensors(tensors: dict[str, np.ndarray]) -> None:
+def stack_split_sources(sources: dict[str, TensorSource]) -> None:
     """Join, in place, what llama.cpp splits: a split-expert file's experts into one tensor per
     projection, each layer's expert gate and up halves into experts.gate_up_proj, and
-    DeepSeek's k_b (stored transposed) and v_b into kv_b_proj."""
-    stack_one_expert_tensors(tensors)
-    for gate_name in [n for n in tensors if n.endswith(".mlp.experts.gate_proj.weight")]:
+    DeepSeek's k_b (stored transposed) and v_b into kv_b_proj. The joined tensors stream
+    from their parts one expert (or head) at a time."""
+    stack_one_expert_sources(sources)
+    for gate_name in [n for n in sources if n.endswith(".mlp.experts.gate_proj.weight")]:
         prefix = gate_name.removesuffix(".gate_proj.weight")
-        gate, up = tensors.pop(gate_name), tensors.pop(f"{prefix}.up_proj.weight")
-        tensors[f"{prefix}.gate_up_proj"] = np.concatenate([gate, up], axis=1)
-    for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
+        gate, up = sources.pop(gate_name), sources.pop(f"{prefix}.up_proj.weight")
+        experts, inner, hidden = gate.shape
+        name = f"{prefix}.gate_up_proj"
+        shape = (experts, inner + up.shape[1], hidden)
+        sources[name] = TensorSource(name, shape, partial(interleaved_slices, gate, up))
+    for k_name in [n for n in sources if n.endswith(".self_attn.k_b_proj.weight")]:
         prefix = k_name.removesuffix(".k_b_proj.weight")
-        k_b, v_b = tensors.pop(k_name), tensors.pop(f"{prefix}.v_b_proj.weight")
+        k_b, v_b = sources.pop(k_name), sources.pop(f"{prefix}.v_b_proj.weight")
         # k_b [heads, kv_lora_rank, nope], v_b [heads, v, kv_lora_rank]
-        kv_b = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)
-        tensors[f"{prefix}.kv_b_proj.weight"] = np.ascontiguousarray(kv_b.reshape(-1, k_b.shape[1]))
+        heads, rank, nope = k_b.shape
+        name = f"{prefix}.kv_b_proj.weight"
+        shape = (heads * (nope + v_b.shape[1]), rank)
+        sources[name] = TensorSource(name, shape, partial(kv_b_slices, k_b, v_b))
 
 
-def stack_one_expert_tensors(tensors: dict[str, np.ndarray]) -> None:
+def interleaved_slices(first: TensorSource, second: TensorSource) -> Iterator[np.ndarray]:
+    """Expert e's slice of `first`, then of `second`: the two joined on their second axis."""
+    for a, b in zip(first.slices(), second.slices(), strict=True):
+        yield a
+        yield b
+
+
+def kv_b_slices(k_b: TensorSource, v_b: TensorSource) -> Iterator[np.ndarray]:
+    for k, v in zip(k_b.slices(), v_b.slices(), strict=True):
+        yield k.T
+        yield v
+
+
+def stack_one_expert_sources(sources: dict[str, TensorSource]) -> None:
     experts: dict[tuple[str, str], dict[int, str]] = {}
-    for name in tensors:
+    for name in sources:
         if match := _ONE_EXPERT.fullmatch(name):
             prefix, expert, projection = match.groups()
             experts.setdefault((prefix, projection), {})[int(expert)] = name
     for (prefix, projection), names in experts.items():
-        stacked = np.stack([tensors.pop(names[e]) for e in range(len(names))])
+        parts = [sources.pop(names[e]) for e in range(len(names))]
         suffix = "" if projection == "down_proj" else ".weight"
-        tensors[f"{prefix}.{projection}{suffix}"] = stacked
+        name = f"{prefix}.{projection}{suffix}"
+        shape = (len(parts), *parts[0].shape)
+        sources[name] = TensorSource(name, shape, partial(chained_chunks, parts))
+
+
+def chained_chunks(parts: list[TensorSource]) -> Iterator[np.ndarray]:
+    for part in parts:
+        yield from part.chunks()

