@@ -31,8 +31,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (N, K) of each GEMM of a decode step: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
 QWEN3_0_6B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
 LLAMA_3_1_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-# N, K: one row and one column, odd sizes, K over one 4096-value tile (a K loop), N past 4096
-AWKWARD = [(1, 64), (17, 96), (1000, 1000), (4099, 2048), (33, 5000)]
+# N, K: one row and one column, odd sizes, an odd N at K = 2048 (the 8-warp tile), K over one
+# 4096-value tile (a K loop)
+AWKWARD = [(1, 64), (17, 96), (1000, 1000), (1027, 2048), (33, 5000)]
 
 
 def Linear(input_size: int, output_size: int, bias: bool = True) -> ReplicatedLinear:
