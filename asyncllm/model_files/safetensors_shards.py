@@ -3,7 +3,10 @@ model-0000N-of-0000M.safetensors with model.safetensors.index.json), one piece a
 
 Each tensor arrives as C-order chunks of float32 values and is converted and written chunk by
 chunk: every header is known before any value is computed (the shapes and the dtype say where
-each tensor lies), so the peak memory is one chunk, however large the model or a shard.
+each tensor lies), so the peak memory is one chunk, however large the model or a shard. The
+safetensors package's writers take a whole file's tensors at once (and numpy has no bf16), so
+the few lines of its format (a little-endian header length, the JSON header, the raw data) are
+written here.
 """
 
 from __future__ import annotations
