@@ -33,7 +33,36 @@ _BACKLOG = 1024
 _FAREWELL_S = 2.0  # after the shutdown timeout: time for the streams to send their error event
 
 
-# the help of each EngineArgs flag (a test keeps one for every field)
+# the help of each ServerArgs and EngineArgs flag (a test keeps one for every field)
+SERVER_FLAG_HELP = {
+    "host": "the address to listen on",
+    "port": "0: any free port",
+    "api_key": "require Authorization: Bearer KEY (default: $ASYNCLLM_API_KEY); /health and "
+    "/metrics stay open",
+    "served_model_name": "the name /v1/models lists (None: --model)",
+    "root_path": "serve every route under this prefix",
+    "max_request_body_bytes": "larger bodies get 413",
+    "max_concurrent_requests": "generation requests in flight before 429 (0: no limit)",
+    "max_waiting_requests": "requests admitted but not yet scheduled before 503 (0: no limit)",
+    "max_queue_wait": "seconds a request may wait to be scheduled before it ends with 503 "
+    "(0: no limit)",
+    "trust_request_chat_template": "accept a chat_template in a request's chat_template_kwargs "
+    "(rendered sandboxed)",
+    "keepalive_interval": "seconds without output before a `: keep-alive` SSE comment",
+    "shutdown_timeout": "seconds in-flight streams get to finish after SIGTERM",
+    "stream_retention": "seconds a resumable stream keeps generating with nobody reading, and "
+    "is kept for GET /v1/streams/{id} once finished",
+    "stream_buffer_bytes": "bytes of events all resumable streams may hold",
+    "response_store": "where the Responses API stores responses: sqlite:///PATH (default: "
+    "responses.sqlite3 in the cache folder, $ASYNCLLM_CACHE_DIR or ~/.cache/asyncllm)",
+    "keep_alive_timeout": "seconds a connection may take to send a whole request (idle or "
+    "slow) before it is closed",
+    "engine_restart": "start a new engine core when it dies (/health is 503 meanwhile)",
+    "engine_restarts_per_minute": "past this many restarts in 60 s a dead engine stays down, "
+    "/health 503",
+    "tool_call_parser": "the model's tool-call format, for tool_choice auto",
+    "reasoning_parser": "keep <think> reasoning apart, in reasoning_content",
+}
 ENGINE_FLAG_HELP = {
     "model": "Hugging Face folder or .gguf file (None: the default SmolLM2-135M-Instruct)",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
@@ -68,7 +97,7 @@ ENGINE_FLAG_HELP = {
     "machines of a Ray cluster: pip install asyncllm[ray])",
     "speculative_config": "speculative decoding as JSON with vLLM's keys, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-    "(method ngram or draft_model, with model)",
+    "(method ngram; draft_model, eagle, eagle3 or medusa with model)",
     "quantization": "a quantization method for an unquantized checkpoint: fp8 (weights "
     "quantized at load); None: the checkpoint's own quantization_config, if any",
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (e4m3, half a bf16 cache's bytes)",
@@ -88,128 +117,31 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
-    server = parser.add_argument_group("server")
-    defaults = ServerArgs()
-    server.add_argument("--host", default=defaults.host, help="the address to listen on")
-    server.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
-    server.add_argument(
-        "--api-key",
-        default=os.environ.get("ASYNCLLM_API_KEY"),
-        help="require Authorization: Bearer KEY (default: $ASYNCLLM_API_KEY); /health and "
-        "/metrics stay open",
-    )
-    server.add_argument(
-        "--served-model-name", default=None, help="the name /v1/models lists (None: --model)"
-    )
-    server.add_argument("--root-path", default="", help="serve every route under this prefix")
-    server.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=defaults.max_request_body_bytes,
-        help="larger bodies get 413",
-    )
-    server.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=defaults.max_concurrent_requests,
-        help="generation requests in flight before 429 (0: no limit)",
-    )
-    server.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=defaults.max_waiting_requests,
-        help="requests admitted but not yet scheduled before 503 (0: no limit)",
-    )
-    server.add_argument(
-        "--max-queue-wait",
-        type=float,
-        default=defaults.max_queue_wait,
-        help="seconds a request may wait to be scheduled before it ends with 503 (0: no limit)",
-    )
-    server.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept a chat_template in a request's chat_template_kwargs (rendered sandboxed)",
-    )
-    server.add_argument(
-        "--keepalive-interval",
-        type=float,
-        default=defaults.keepalive_interval,
-        help="seconds without output before a `: keep-alive` SSE comment",
-    )
-    server.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=defaults.shutdown_timeout,
-        help="seconds in-flight streams get to finish after SIGTERM",
-    )
-    server.add_argument(
-        "--stream-retention",
-        type=float,
-        default=defaults.stream_retention,
-        help="seconds a resumable stream keeps generating with nobody reading, and is kept "
-        "for GET /v1/streams/{id} once finished",
-    )
-    server.add_argument(
-        "--stream-buffer-bytes",
-        type=int,
-        default=defaults.stream_buffer_bytes,
-        help="bytes of events all resumable streams may hold",
-    )
-    server.add_argument(
-        "--response-store",
-        default=None,
-        help="where the Responses API stores responses: sqlite:///PATH (default: "
-        "responses.sqlite3 in the cache folder, $ASYNCLLM_CACHE_DIR or ~/.cache/asyncllm)",
-    )
-    server.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=defaults.keep_alive_timeout,
-        help="seconds a connection may take to send a whole request (idle or slow) before "
-        "it is closed",
-    )
-    server.add_argument(
-        "--engine-restart",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.engine_restart,
-        help="start a new engine core when it dies (/health is 503 meanwhile)",
-    )
-    server.add_argument(
-        "--engine-restarts-per-minute",
-        type=int,
-        default=defaults.engine_restarts_per_minute,
-        help="past this many restarts in 60 s a dead engine stays down, /health 503",
-    )
-    server.add_argument(
-        "--tool-call-parser",
-        choices=sorted(TOOL_PARSERS),
-        default=None,
-        help="the model's tool-call format, for tool_choice auto",
-    )
-    server.add_argument(
-        "--reasoning-parser",
-        choices=sorted(REASONING_PARSERS),
-        default=None,
-        help="keep <think> reasoning apart, in reasoning_content",
-    )
-    _add_engine_args(parser.add_argument_group("engine"))
+    server_flags = {
+        "api_key": {"default": os.environ.get("ASYNCLLM_API_KEY")},
+        "tool_call_parser": {"choices": sorted(TOOL_PARSERS)},
+        "reasoning_parser": {"choices": sorted(REASONING_PARSERS)},
+    }
+    add_flags(parser.add_argument_group("server"), ServerArgs, SERVER_FLAG_HELP, server_flags)
+    add_flags(parser.add_argument_group("engine"), EngineArgs, ENGINE_FLAG_HELP, {})
     return parser
 
 
-def _add_engine_args(group: argparse._ArgumentGroup) -> None:
-    """One flag per EngineArgs field, typed from its default (vLLM's flag names)."""
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        text = ENGINE_FLAG_HELP.get(f.name, "")
+def add_flags(
+    group: argparse._ArgumentGroup, cls: type, helps: dict[str, str], special: dict[str, dict]
+) -> None:
+    """One flag per field of the dataclass `cls`, typed from its default (vLLM's flag names);
+    `special` adds or replaces argparse keywords of some."""
+    for f in dataclasses.fields(cls):
+        options = {"default": f.default, "help": helps.get(f.name, "")}
         if str(f.type).startswith("bool"):
-            action = argparse.BooleanOptionalAction
-            group.add_argument(flag, action=action, default=f.default, help=text)
+            options["action"] = argparse.BooleanOptionalAction
         elif isinstance(f.default, int | float):
-            group.add_argument(flag, type=type(f.default), default=f.default, help=text)
+            options["type"] = type(f.default)
         else:
-            kind = int if str(f.type).startswith("int") else str
-            group.add_argument(flag, type=kind, default=f.default, help=text)
+            options["type"] = int if str(f.type).startswith("int") else str
+        options.update(special.get(f.name, {}))
+        group.add_argument("--" + f.name.replace("_", "-"), **options)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:

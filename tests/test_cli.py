@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from asyncllm import EngineArgs, cli, serve
+from asyncllm.server.args import ServerArgs
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
@@ -35,8 +36,9 @@ def test_an_unknown_command_is_an_error(capsys) -> None:
     assert code == 2 and "invalid choice: 'serv'" in err
 
 
-def test_every_engine_flag_has_its_own_help() -> None:
+def test_every_engine_and_server_flag_has_its_own_help() -> None:
     assert {f.name for f in dataclasses.fields(EngineArgs)} == serve.ENGINE_FLAG_HELP.keys()
+    assert {f.name for f in dataclasses.fields(ServerArgs)} == serve.SERVER_FLAG_HELP.keys()
 
 
 def test_every_serve_flag_has_help_and_shows_its_default() -> None:
