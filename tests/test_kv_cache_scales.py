@@ -1,5 +1,6 @@
 """An FP8 checkpoint's KV cache scales: loaded per layer from each name vLLM reads, used by the
-FP8 cache, replicated on every tensor-parallel rank; checked at load.
+FP8 cache (the torch backend, and the Triton kernels on the GPU or under TRITON_INTERPRET),
+replicated on every tensor-parallel rank; checked at load.
 
 The checkpoints are a tiny random HF Llama with the scale tensors added to its safetensors; the
 compressed-tensors one carries the library's own kv_cache_scheme (QuantizationArgs) over its
@@ -19,10 +20,13 @@ import torch
 import torch.multiprocessing
 from compressed_tensors.quantization import KVCacheScaleType, QuantizationArgs
 from safetensors.torch import load_file, save_file
+from test_kernels_attention import DEVICE
+from test_kernels_qkv_prep import on_device
 from test_model_vs_hf import metadata
 from test_quant_checkpoints import CONFIG, tiny_llama, write_compressed
 
 from asyncllm.attention.torch_backend import TorchAttentionBackend
+from asyncllm.attention.triton_backend import TritonAttentionBackend
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.distributed.parallel_state import (
     DistributedInit,
@@ -83,9 +87,14 @@ def save_tiny(path: Path, kv_gain: float = 1.0) -> Path:
     return path
 
 
-def load(path: Path, kv_cache_dtype: str = "fp8") -> torch.nn.Module:
-    args = EngineArgs(model=str(path), device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype)
-    return load_model(ModelConfig.from_args(args), TorchAttentionBackend())
+def load(path: Path, kv_cache_dtype: str = "fp8", backend: str = "torch") -> torch.nn.Module:
+    """On CPU; with the Triton backend on the GPU where there is one (else the interpreter)."""
+    device = DEVICE if backend == "triton" else "cpu"
+    args = EngineArgs(
+        model=str(path), device=device, dtype="float32", kv_cache_dtype=kv_cache_dtype
+    )
+    attention = TritonAttentionBackend() if backend == "triton" else TorchAttentionBackend()
+    return load_model(ModelConfig.from_args(args), attention)
 
 
 def loaded_scales(model: torch.nn.Module) -> list[tuple[float, float] | None]:
@@ -167,15 +176,20 @@ def test_without_scales_an_fp8_cache_warns_once(tmp_path: Path, caplog) -> None:
 @torch.inference_mode()
 def logits(model: torch.nn.Module, cache_dtype: torch.dtype) -> torch.Tensor:
     """A prefill of IDS[:-5] then five decode steps, over caches of cache_dtype."""
+    device = model.embed_tokens.weight.device
     blocks, block_size = 8, 4
     caches = [
-        torch.zeros(s.shape(blocks, block_size), dtype=cache_dtype) for s in model.kv_cache_specs
+        torch.zeros(s.shape(blocks, block_size), dtype=cache_dtype, device=device)
+        for s in model.kv_cache_specs
     ]
     table, n = [[3, 0, 6, 1, 7, 2, 5, 4]], len(IDS) - 5
-    rows = [model(IDS[:n], torch.arange(n), caches, metadata([(0, n)], table))]
-    for p in range(n, len(IDS)):
-        rows.append(model(IDS[p : p + 1], torch.tensor([p]), caches, metadata([(p, 1)], table)))
-    return model.compute_logits(torch.cat(rows))
+    steps = [(IDS[:n], range(n), [(0, n)])]
+    steps += [(IDS[p : p + 1], [p], [(p, 1)]) for p in range(n, len(IDS))]
+    rows = []
+    for ids, positions, spans in steps:
+        meta = on_device(metadata(spans, table)) if device.type != "cpu" else metadata(spans, table)
+        rows.append(model(ids.to(device), torch.tensor(positions, device=device), caches, meta))
+    return model.compute_logits(torch.cat(rows)).cpu()
 
 
 def kv_amax(model: torch.nn.Module) -> list[tuple[float, float]]:
@@ -187,7 +201,8 @@ def kv_amax(model: torch.nn.Module) -> list[tuple[float, float]]:
     return [(c[0].abs().max().item(), c[1].abs().max().item()) for c in caches]
 
 
-def test_the_checkpoints_scales_keep_large_keys_from_saturating(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_checkpoints_scales_keep_large_keys_from_saturating(backend, tmp_path: Path) -> None:
     """Keys and values in the thousands: an FP8 cache of scale 1.0 saturates them at 448 and the
     logits drift; with the checkpoint's scales (amax / 448) they stay close to the fp32
     cache's."""
@@ -195,10 +210,10 @@ def test_the_checkpoints_scales_keep_large_keys_from_saturating(tmp_path: Path) 
     amax = kv_amax(load(tmp_path, kv_cache_dtype="auto"))
     assert min(k for k, _ in amax) > 2000 and min(v for _, v in amax) > 448
     exact = logits(load(tmp_path, kv_cache_dtype="auto"), torch.float32)
-    unscaled = logits(load(tmp_path), FP8)
+    unscaled = logits(load(tmp_path, backend=backend), FP8)
     scales = [(k / 448, v / 448) for k, v in amax]
     add_tensors(tmp_path, scale_tensors(NAME_STYLES["vllm"], scales))
-    scaled_model = load(tmp_path)
+    scaled_model = load(tmp_path, backend=backend)
     assert loaded_scales(scaled_model) == as_stored(scales)
     scaled = logits(scaled_model, FP8)
 
