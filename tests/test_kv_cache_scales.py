@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,19 @@ def test_each_tensor_parallel_rank_holds_every_layers_scales(tmp_path: Path) -> 
         assert rank_scales == as_stored(scales) and kv_heads == [1] * LAYERS
     error = (rank_logits - expected).norm() / expected.norm()
     assert error < 1e-4, error
+
+
+def test_an_engine_runs_with_the_checkpoints_scales(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """--kv-cache-dtype fp8 reaches the loader through the engine's config."""
+    from asyncllm import LLM, SamplingParams
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    add_tensors(path, scale_tensors(NAME_STYLES["vllm"], [(0.5, 0.25)] * LAYERS))
+    llm = LLM(model=str(path), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=64)
+    runner = llm.core_client.core.executor.model_runner
+    assert loaded_scales(runner.model) == [(0.5, 0.25)] * LAYERS
+    assert runner.kv_caches[0].dtype == FP8
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 4
