@@ -16,7 +16,7 @@ from asyncllm.model_files.gguf_convert import complete_config
 from asyncllm.model_files.model_path import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# keys and values stored as they are (scale 1), which e4m3's range of +-448 holds
+# fp8: keys and values divided by the checkpoint's per-layer scales (else 1.0), in e4m3
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
@@ -116,6 +116,7 @@ class ModelConfig:
     max_logprobs: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # the loader checks the checkpoint's KV cache scheme against it
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:
@@ -145,6 +146,7 @@ class ModelConfig:
                 path, args.generation_config, args.override_generation_config
             ),
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
 
 

@@ -33,6 +33,7 @@ def _decode_kernel(
     part_max_ptr,
     part_sum_ptr,
     scale_log2,
+    v_scale,
     num_seqs,
     q_stride_s,
     q_stride_h,
@@ -101,6 +102,7 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    acc *= v_scale  # an FP8 cache's values are v / v_scale
 
     if SPLIT:
         row = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits + split
@@ -198,6 +200,8 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """query [num_seqs, num_heads, head_dim], one token per sequence at position seq_len - 1.
 
@@ -205,7 +209,8 @@ def paged_decode_attention(
     block_tables [num_seqs, max_blocks] (int32) and seq_lens [num_seqs] (int32). Query rows past
     len(seq_lens) are padding and come out as zeros. num_splits (None: chosen from the host int
     max_seq_len, default the block table's capacity) only affects speed, never the result, and
-    nothing here syncs with the device, so the call can be captured in a CUDA graph.
+    nothing here syncs with the device, so the call can be captured in a CUDA graph. The cache
+    holds keys / k_scale and values / v_scale (an FP8 cache's per-tensor scales).
     """
     num_rows, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -244,7 +249,8 @@ def paged_decode_attention(
         part_out,
         part_max,
         part_sum,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         seq_lens.shape[0],
         query.stride(0),
         query.stride(1),

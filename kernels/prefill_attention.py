@@ -87,6 +87,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     scale_log2,
+    v_scale,
     num_reqs,
     q_stride_t,
     q_stride_h,
@@ -153,7 +154,7 @@ def _prefill_kernel(
             start, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION,
         )  # fmt: skip
 
-    out = acc / denom[:, None]
+    out = acc / denom[:, None] * v_scale  # an FP8 cache's values are v / v_scale
     tl.store(
         out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -187,6 +188,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     *,
     config: AttentionConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim]: request r owns rows query_start_loc[r]:[r + 1].
 
@@ -195,7 +198,8 @@ def paged_prefill_attention(
     so reshape_and_cache must have stored this step's keys first. Any query_len >= 1 works,
     decode rows included. Rows before query_start_loc[0] (which need not be 0: a mixed step
     leaves its decodes at the front to the decode kernel) and past query_start_loc[-1] are
-    left unwritten.
+    left unwritten. The cache holds keys / k_scale and values / v_scale (an FP8 cache's
+    per-tensor scales).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -220,7 +224,8 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         num_reqs,
         query.stride(0),
         query.stride(1),

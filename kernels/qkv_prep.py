@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import next_pow2, uses_pdl
+from kernels.cache import scaled_for_cache
 
 
 @triton.jit
@@ -70,6 +71,8 @@ def _norm_rope_and_cache_kernel(
     qkv_stride_t,
     cos_sin_stride,
     eps,
+    k_scale,
+    v_scale,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEADS: tl.constexpr,
@@ -77,6 +80,7 @@ def _norm_rope_and_cache_kernel(
     HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (t, g): HEADS heads of token t, query heads g * HEADS on while
@@ -111,12 +115,14 @@ def _norm_rope_and_cache_kernel(
                 BLOCK_HALF,
             )  # fmt: skip
             offset = (slot * NUM_KV_HEADS + first) * head_dim
+            x1, x2 = scaled_for_cache(x1, k_scale, FP8), scaled_for_cache(x2, k_scale, FP8)
             _store_heads(k_cache_ptr + offset, x1, x2, HEADS, BLOCK_HEADS, HALF, BLOCK_HALF)
             h = tl.arange(0, BLOCK_HEADS)[:, None]
             mask = (h < HEADS) & (i < HALF)
             v_src = k_src + NUM_KV_HEADS * head_dim + h * head_dim + i
             v1 = tl.load(v_src, mask=mask, other=0.0)
             v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
+            v1, v2 = scaled_for_cache(v1, v_scale, FP8), scaled_for_cache(v2, v_scale, FP8)
             _store_heads(v_cache_ptr + offset, v1, v2, HEADS, BLOCK_HEADS, HALF, BLOCK_HALF)
 
 
@@ -137,13 +143,16 @@ def norm_rope_and_cache(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The query [T, num_heads, head_dim] of the fused projection qkv [T, (Hq + 2 * Hkv) * D].
 
     Each q and k head is RMS-normalised over head_dim (when the norm weights [D] are given), then
     rotated (neox layout) by the angles of positions[t] in cos_sin_cache [max_position, D]
     (cos | sin, in the model's dtype or fp32); k and the raw v go to kv_cache [2, num_blocks, block_size, Hkv, D] (contiguous) at
-    slot_mapping[t], skipped where it is -1. Norm and rotary share fp32, rounded once at the store.
+    slot_mapping[t], skipped where it is -1; an FP8 (1-byte) cache stores e4m3(k / k_scale) and
+    e4m3(v / v_scale), saturated. Norm and rotary share fp32, rounded once at the store.
     No host sync, no data-dependent allocation: CUDA-graph capturable.
     """
     num_tokens = qkv.shape[0]
@@ -174,6 +183,8 @@ def norm_rope_and_cache(
         qkv.stride(0),
         cos_sin_cache.stride(0),
         eps,
+        k_scale,
+        v_scale,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEADS=heads,
@@ -181,6 +192,7 @@ def norm_rope_and_cache(
         HAS_NORM=has_norm,
         HALF=half,
         BLOCK_HALF=next_pow2(half),
+        FP8=kv_cache.element_size() == 1,
         USE_PDL=pdl,
         num_warps=1 if heads == 1 else 4,
         launch_pdl=pdl,

@@ -9,6 +9,7 @@ cached position up to and including its own.
 KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; token position p of
 request r lives in block block_tables[r, p // block_size] at offset p % block_size, i.e. in slot
 block_id * block_size + offset. slot_mapping[t] is the slot for new token t (-1: padding, skip).
+An FP8 cache holds each layer's keys and values divided by its KVScales.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from asyncllm.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
 
@@ -57,6 +59,7 @@ class AttentionBackend(Protocol):
         k_norm: RMSNorm | None,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Split qkv into heads, normalise q and k per head (when the norms are given), rotate
         them, and write key/value into kv_cache at meta.slot_mapping; return the query."""
@@ -69,6 +72,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # written in place when given
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attend over the paged context, which already holds this step's keys and values."""
         ...

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
 from kernels.cpu_decode_attention import cpu_decode_attention_available, paged_decode_attention_cpu
@@ -22,17 +23,31 @@ T = TypeVar("T")
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_KV_SCALES,
 ) -> None:
-    """Store new keys/values in their slots; slots < 0 are padding and skipped."""
+    """Store new keys/values in their slots; slots < 0 are padding and skipped. An FP8 cache
+    stores e4m3(key / kv_scales.k) and e4m3(value / kv_scales.v), saturated at +-448."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     num_kv_heads, head_dim = key.shape[1:]
-    key, value = (_bytes(t.to(kv_cache.dtype)) for t in (key, value))  # rounded for an FP8 cache
+    key = _bytes(_for_cache(key, kv_scales.k, kv_cache))
+    value = _bytes(_for_cache(value, kv_scales.v, kv_cache))
     cache = _bytes(kv_cache)
     cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _for_cache(t: torch.Tensor, scale: float, kv_cache: torch.Tensor) -> torch.Tensor:
+    """t as the cache stores it: for an FP8 cache divided by scale in fp32, then rounded."""
+    if kv_cache.element_size() != 1:
+        return t.to(kv_cache.dtype)
+    limit = torch.finfo(kv_cache.dtype).max
+    return (t.float() / scale).clamp(-limit, limit).to(kv_cache.dtype)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -175,6 +190,7 @@ class TorchAttentionBackend:
         k_norm: RMSNorm | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         heads = qkv.view(qkv.shape[0], -1, head_dim)
@@ -183,7 +199,7 @@ class TorchAttentionBackend:
         if q_norm is not None and k_norm is not None:
             query, key = q_norm(query), k_norm(key)
         query, key = rotary(positions, query, key)
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping, kv_scales)
         return query
 
     def attend(
@@ -193,11 +209,20 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
+        """Over an FP8 cache the keys' scale joins the softmax scale and the values' scale the
+        output (kv_scales' docstring says why that equals attending over the scaled values)."""
         out = torch.empty_like(query) if out is None else out
+        kv_scales = kv_scales.for_cache(kv_cache)
+        scale *= kv_scales.k
         if meta.is_pure_decode:
-            return self._decode(query, kv_cache, meta, scale, out)
-        return self._varlen(query, kv_cache, meta, scale, out)
+            self._decode(query, kv_cache, meta, scale, out)
+        else:
+            self._varlen(query, kv_cache, meta, scale, out)
+        if kv_scales.v != 1.0:
+            out.mul_(kv_scales.v)
+        return out
 
     def _varlen(
         self,

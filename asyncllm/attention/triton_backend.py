@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
 from kernels import norm_rope_and_cache, paged_decode_attention, paged_prefill_attention
@@ -41,6 +42,12 @@ class _MixedParts:
         )
 
 
+def _kernel_scales(kv_scales: KVScales, kv_cache: torch.Tensor) -> dict[str, float]:
+    """The kernels' k_scale and v_scale arguments for this cache."""
+    kv_scales = kv_scales.for_cache(kv_cache)
+    return {"k_scale": kv_scales.k, "v_scale": kv_scales.v}
+
+
 class TritonAttentionBackend:
     """The decode path does no host sync and no data-dependent allocation: CUDA-graph capturable.
 
@@ -67,12 +74,14 @@ class TritonAttentionBackend:
         k_norm: RMSNorm | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
         """One launch for the q/k norms, rotary and the KV cache write."""
         args = (qkv, positions, rotary.cos_sin_cache, kv_cache, meta.slot_mapping)
+        scales = _kernel_scales(kv_scales, kv_cache)
         if q_norm is None or k_norm is None:
-            return norm_rope_and_cache(*args)
-        return norm_rope_and_cache(*args, q_norm.weight, k_norm.weight, q_norm.eps)
+            return norm_rope_and_cache(*args, **scales)
+        return norm_rope_and_cache(*args, q_norm.weight, k_norm.weight, q_norm.eps, **scales)
 
     def attend(
         self,
@@ -81,7 +90,9 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
+        scales = _kernel_scales(kv_scales, kv_cache)
         if meta.is_pure_decode:
             return paged_decode_attention(
                 query,
@@ -91,6 +102,7 @@ class TritonAttentionBackend:
                 scale,
                 out,
                 max_seq_len=meta.max_seq_len,
+                **scales,
             )
         out = torch.empty_like(query) if out is None else out
         if query.shape[0] <= self.max_short_step_tokens:
@@ -104,6 +116,7 @@ class TritonAttentionBackend:
                 meta.max_query_len,
                 out,
                 config=short_query_prefill_config(query.dtype),
+                **scales,
             )
         # a big step's many decodes go to the decode kernel: in 128-row tiles each would take a
         # whole tile through the matmuls for its one row. Unsplit, and num_seqs not specialised
@@ -118,6 +131,7 @@ class TritonAttentionBackend:
                 scale,
                 out[: parts.num_decodes],
                 num_splits=1,
+                **scales,
             )
         return paged_prefill_attention(
             query,
@@ -128,6 +142,7 @@ class TritonAttentionBackend:
             scale,
             meta.max_query_len,
             out,
+            **scales,
         )
 
     def _mixed_parts(self, meta: AttentionMetadata) -> _MixedParts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -10,6 +11,7 @@ from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.kv_cache_spec import KVCacheSpec
+from asyncllm.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from asyncllm.layers.linear import (
     LoadedWeight,
     MergedColumnParallelLinear,
@@ -17,6 +19,7 @@ from asyncllm.layers.linear import (
     QuantizationConfig,
     RowParallelLinear,
     default_weight_loader,
+    read_all,
     rms_norm_linear,
     silu_and_mul_linear,
 )
@@ -24,6 +27,7 @@ from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.models.causal_lm import PieceShapes, PiecewiseDecoderLayer
+from asyncllm.models.kv_scale_names import KVScaleName, kv_scale_name, kv_scale_value
 
 # checkpoint name piece -> (fused parameter, shard id)
 _STACKED = {
@@ -74,6 +78,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.backend = backend
+        # an FP8 KV cache's scales from the checkpoint; None: it has none (scales of 1.0)
+        self.kv_scales: KVScales | None = None
 
     def prepare_qkv(
         self,
@@ -84,7 +90,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The query; keys and values go to the KV cache."""
         return self.backend.prepare_qkv(
-            qkv, positions, self.rotary, self.q_norm, self.k_norm, kv_cache, meta
+            qkv,
+            positions,
+            self.rotary,
+            self.q_norm,
+            self.k_norm,
+            kv_cache,
+            meta,
+            self.kv_scales or UNIT_KV_SCALES,
         )
 
     def attend(
@@ -94,7 +107,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.backend.attend(query, kv_cache, meta, self.scale, out)
+        scales = self.kv_scales or UNIT_KV_SCALES
+        return self.backend.attend(query, kv_cache, meta, self.scale, out, scales)
+
+    def load_kv_scale(self, which: KVScaleName, name: str, loaded: LoadedWeight) -> None:
+        """One of the checkpoint's per-tensor KV cache scales: the same number on every rank."""
+        value = kv_scale_value(name, read_all(loaded))
+        scales = self.kv_scales or UNIT_KV_SCALES
+        self.kv_scales = replace(scales, **dict.fromkeys(which.planes, value))
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -279,10 +299,18 @@ class LlamaForCausalLM(nn.Module):
         """Copy this rank's share of the checkpoint tensors (HF names) into the parameters,
         fusing q/k/v and gate/up."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tie_word_embeddings and name.startswith("lm_head")):
+                continue
+            scale = kv_scale_name(name)
+            if scale is not None:
+                attention = modules.get(scale.attention)
+                if not isinstance(attention, Attention):
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                attention.load_kv_scale(scale, name, tensor)
                 continue
             target, shard_id = fused_target(name)
             if target not in params:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +20,16 @@ from asyncllm.layers.linear import LinearBase, LoadedWeight, process_weights_aft
 from asyncllm.layers.quantization import QuantizationConfig, get_quantization_config
 from asyncllm.layers.quantization.base import UnquantizedLinearMethod
 from asyncllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from asyncllm.models.llama import Attention
 from asyncllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     model_class = get_model_class(config.hf_config)
     quant_config = quantization_of(config)
+    check_kv_cache_scheme(checkpoint_quantization(config), config.kv_cache_dtype)
     with torch.device(config.device), _default_dtype(config.dtype):
         model = model_class(config.hf_config, backend, quant_config)
     if config.load_format == "dummy":
@@ -40,15 +45,57 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     process_weights_after_loading(model)
     if config.load_format != "dummy" and config.device.type == "cpu":
         map_embeddings_from_files(model, config.path)
+    if config.kv_cache_dtype != "auto":
+        _warn_without_kv_scales(model)
     return model
+
+
+def checkpoint_quantization(config: ModelConfig) -> dict | None:
+    """config.json's quantization_config, as a dict."""
+    checkpoint = getattr(config.hf_config, "quantization_config", None)
+    if checkpoint is not None and not isinstance(checkpoint, dict):
+        checkpoint = checkpoint.to_dict()
+    return checkpoint
 
 
 def quantization_of(config: ModelConfig) -> QuantizationConfig | None:
     """From the checkpoint's quantization_config, else from --quantization (fp8 at load)."""
-    checkpoint = getattr(config.hf_config, "quantization_config", None)
-    if checkpoint is not None and not isinstance(checkpoint, dict):
-        checkpoint = checkpoint.to_dict()
-    return get_quantization_config(checkpoint, config.quantization)
+    return get_quantization_config(checkpoint_quantization(config), config.quantization)
+
+
+# what a compressed-tensors kv_cache_scheme must say for the e4m3 cache of --kv-cache-dtype fp8
+_FP8_KV_CACHE_SCHEME = {"type": "float", "num_bits": 8, "strategy": "tensor"}
+
+
+def check_kv_cache_scheme(checkpoint: dict | None, kv_cache_dtype: str) -> None:
+    """An FP8 cache needs the checkpoint's KV cache scheme, if it has one, to be e4m3 with
+    per-tensor scales; ValueError naming the field that disagrees."""
+    scheme = (checkpoint or {}).get("kv_cache_scheme")
+    if kv_cache_dtype == "auto" or scheme is None:
+        return
+    if not isinstance(scheme, dict):
+        raise ValueError("quantization_config.kv_cache_scheme must be a JSON object")
+    found = {"strategy": "tensor", **{k: v for k, v in scheme.items() if v is not None}}
+    for key, expected in _FP8_KV_CACHE_SCHEME.items():
+        if found.get(key) != expected:
+            raise ValueError(
+                f"quantization_config.kv_cache_scheme.{key} is {found.get(key)!r}, but "
+                f"kv_cache_dtype {kv_cache_dtype!r} stores e4m3 with one scale per layer "
+                f"({key} {expected!r})"
+            )
+
+
+def _warn_without_kv_scales(model: nn.Module) -> None:
+    """Once a load, as vLLM warns: layers whose checkpoint has no KV cache scales."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    unscaled = sum(layer.kv_scales is None for layer in layers)
+    if unscaled:
+        logger.warning(
+            "%d of %d attention layers have no KV cache scales in the checkpoint: their FP8 "
+            "cache stores keys and values unscaled (scale 1.0), saturating past +-448",
+            unscaled,
+            len(layers),
+        )
 
 
 def _cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
