@@ -70,3 +70,28 @@ def test_sampled_outputs_hold_with_speculation(engines, kind) -> None:
     for completion in generate(spec, prompt, params):
         assert completion.finish_reason == "stop"
         holds(kind, completion.text)
+
+
+def test_draft_model_drafts_are_cut_and_verified(tiny_model_dir, engines) -> None:
+    """Drafts from a worker's proposer (the model drafting for itself, unconstrained) go
+    through the same cut: greedy keeps the tokens of greedy without speculation."""
+    plain, _ = engines
+    speculative = {
+        "method": "draft_model",
+        "model": str(tiny_model_dir),
+        "num_speculative_tokens": 3,
+    }
+    spec = LLM(
+        model=str(tiny_model_dir),
+        max_model_len=512,
+        async_scheduling=True,
+        speculative_config=speculative,
+    )
+    constraint, prompt = CONSTRAINTS["regex"]
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=constraint)
+    (expected,) = generate(plain, prompt, params)
+    (got,) = generate(spec, prompt, params)
+    assert got.token_ids == expected.token_ids
+    holds("regex", got.text)
+    stats = spec.core_client.core.spec_decoding_stats
+    assert stats.num_accepted_tokens > 0
