@@ -332,5 +332,17 @@ class EngineCore:
         )
         ids = [s.request.request_id for s in scheduler_output.scheduled]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        ids += self._drop_samples_of(set(ids))
         message = f"{type(error).__name__}: {error}"
         return [EngineCoreOutput(rid, [], "error", None, error=message) for rid in ids]
+
+    def _drop_samples_of(self, request_ids: set[str]) -> list[str]:
+        """The parallel samples that wait (or compile their grammar) for a failed request's
+        prompt, taken off: they fail with it (their parent has failed). Left waiting for a
+        prompt no step computes, they kept the engine busy forever."""
+        dropped = [r.request_id for i in request_ids for r in self._waiting_for_prompt.pop(i, [])]
+        for request_id, compiling in list(self._compiling.items()):
+            if compiling.prompt_computed_by in request_ids:
+                del self._compiling[request_id]
+                dropped.append(request_id)
+        return dropped
