@@ -79,21 +79,17 @@ def test_drafts_inside_the_reasoning_are_free(grammar) -> None:
     assert DraftChecker().valid_prefix(constrained, drafts) == drafts[:6]
 
 
-def test_walk_visits_the_state_after_each_prefix_and_rolls_back(grammar) -> None:
+def test_drafts_move_the_state_on_until_rolled_back(grammar) -> None:
     state = GrammarState(grammar, None, [])
     state.accept_all(ANSWER[:2])
-    seen: list[list[int]] = []
-    taken = state.walk(
-        ANSWER[2:6], lambda j: seen.append(allowed_ids(reference_mask(state.matcher)))
-    )
     reference = xgr.GrammarMatcher(grammar)
-    expected = []
-    for j, token_id in enumerate(ANSWER[:6]):
-        if j >= 2:
-            expected.append(allowed_ids(reference_mask(reference)))
+    for token_id in ANSWER[:2]:
         assert reference.accept_token(token_id)
-    expected.append(allowed_ids(reference_mask(reference)))
-    assert taken == 4 and seen == expected
+    for token_id in ANSWER[2:6]:
+        assert state.take_draft(token_id) and reference.accept_token(token_id)
+        assert allowed_ids(reference_mask(state.matcher)) == allowed_ids(reference_mask(reference))
+    assert not state.take_draft(VOCAB.index("}"))  # a value must come
+    state.roll_back_drafts()
     assert state.num_accepted == 2
     assert allowed_ids(reference_mask(state.matcher)) == ids("a")
 
@@ -134,3 +130,19 @@ def test_each_draft_position_is_masked_with_its_own_state(grammar) -> None:
     assert allowed_ids(bitmask.words[0]) == ids("}")
     assert allowed_ids(bitmask.words[1]) == ids('"')
     assert matchers._tracked["r0"].num_accepted == 7  # moved on, not restarted from the outputs
+
+
+def test_drafts_of_several_requests_and_a_draft_the_grammar_forbids(grammar) -> None:
+    """r0 verifies 2 drafts, r1 one the grammar forbids (the core would have cut it): r1's
+    row after it allows every token, as it only follows a rejected draft."""
+    matchers = GrammarMatchers(len(VOCAB), 8, torch.device("cpu"))
+    rows = [
+        ConstrainedRow(0, 0, "r0", grammar, [], 0, [], None, ids("{", '"')),
+        ConstrainedRow(1, 3, "r1", grammar, ANSWER[:1], 1, [], None, ids("}")),
+    ]
+    matchers.start_fill(rows)
+    bitmask = matchers.bitmask(rows, 5)
+    assert bitmask.rows is None
+    masks = [allowed_ids(bitmask.words[j]) for j in range(5)]
+    assert masks == [ids("{"), ids('"'), ids("a"), ids('"'), list(range(len(VOCAB)))]
+    assert [matchers._tracked[r].num_accepted for r in ("r0", "r1")] == [0, 1]

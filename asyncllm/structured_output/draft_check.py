@@ -25,4 +25,4 @@ class DraftChecker:
             state = GrammarState(request.grammar, reasoning, request.prompt_token_ids)
             self._states[request] = state
         state.accept_all(request.output_token_ids[state.num_accepted :])
-        return drafts[: state.walk(drafts)]
+        return drafts[: state.num_valid(drafts)]

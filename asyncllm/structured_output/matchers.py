@@ -12,7 +12,6 @@ the fill thread and the runner's thread at once."""
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import itertools
 import os
 from collections.abc import Sequence
@@ -178,31 +177,33 @@ class GrammarMatchers:
                 self._copied.synchronize()
             masked = [i for row in rows for i in row.masked_rows]
             self._host[: len(masked)] = -1  # every token allowed
-            # each request's first row in the buffer
-            firsts = itertools.accumulate((len(row.masked_rows) for row in rows), initial=0)
-            # requests without drafts in one batched fill, those with drafts a state at a time
-            batched = []
-            for row, state, first in zip(rows, tracked, firsts):
-                if row.drafts:
-                    state.walk(row.drafts, functools.partial(self._fill_one, state, first))
-                else:
-                    batched.append((state, first))
-            self._fill_batched(batched)
+            try:
+                self._fill_positions(rows, tracked)
+            finally:
+                for state in tracked:
+                    state.roll_back_drafts()
             self._rows[: len(masked)] = torch.tensor(masked)
+
+    def _fill_positions(self, rows: list[ConstrainedRow], tracked: list[GrammarState]) -> None:
+        """One batched fill per draft position, of each request's state after its drafts
+        before that position (as far as its grammar takes them)."""
+        firsts = itertools.accumulate((len(row.masked_rows) for row in rows), initial=0)
+        pending = list(zip(tracked, firsts, (row.drafts for row in rows)))
+        for j in range(max(len(row.drafts) for row in rows) + 1):
+            self._fill_batched([(state, first + j) for state, first, _ in pending])
+            pending = [
+                (state, first, drafts)
+                for state, first, drafts in pending
+                if j < len(drafts) and state.take_draft(drafts[j])
+            ]
 
     def _fill_batched(self, rows: list[tuple[GrammarState, int]]) -> None:
         """(state, buffer row) pairs."""
         live = [(state, index) for state, index in rows if state.constrains]
         if live:
-            matchers, rows = [s.matcher for s, _ in live], [i for _, i in live]
-            self._batch.batch_fill_next_token_bitmask(matchers, self._host, indices=rows)
+            matchers, indices = [s.matcher for s, _ in live], [i for _, i in live]
+            self._batch.batch_fill_next_token_bitmask(matchers, self._host, indices=indices)
         for state, index in live:
-            self._allow_opening(state, index)
-
-    def _fill_one(self, state: GrammarState, first: int, offset: int) -> None:
-        index = first + offset
-        if state.constrains:
-            state.matcher.fill_next_token_bitmask(self._host, index)
             self._allow_opening(state, index)
 
     def _allow_opening(self, state: GrammarState, index: int) -> None:

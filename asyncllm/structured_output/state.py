@@ -1,13 +1,13 @@
 """Where one constrained request stands in its grammar: an xgrammar matcher moved on by the
-request's tokens, beside the reasoning a thinking model keeps free of it. Drafts are walked
-from the current state and rolled back after, as a verify step scores each draft position as
-if the drafts before it had been accepted."""
+request's tokens, beside the reasoning a thinking model keeps free of it. Drafts move it on
+for a while and are rolled back after, as a verify step scores each draft position as if the
+drafts before it had been accepted."""
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import xgrammar as xgr
 
@@ -29,6 +29,9 @@ class GrammarState:
         self.reasoning = ReasoningTracker(reasoning, prompt_token_ids)
         self.num_accepted = 0
         self.broken = False  # took a token its grammar forbids: no longer constrained
+        # before the first draft taken since the last roll back: the reasoning, num_accepted
+        self._before_drafts: tuple[ReasoningTracker, int] | None = None
+        self._num_matched_drafts = 0  # of those drafts, the ones the matcher took
 
     def accept(self, token_id: int) -> None:
         """Moves on by one of the request's own tokens."""
@@ -47,30 +50,32 @@ class GrammarState:
         thinking = self.reasoning.phase is Phase.THINKING
         return not (thinking or self.broken or self.matcher.is_terminated())
 
-    def walk(self, drafts: Sequence[int], visit: Callable[[int], None] | None = None) -> int:
-        """Moves through the drafts as far as the grammar takes them, calling visit(j) in the
-        state after drafts[:j] for each j reached, and returns how many it took; the state is
-        as it was afterwards. A grammar that ended (took its stop token) takes no more drafts:
-        the request stops there."""
-        saved = copy.copy(self.reasoning), self.num_accepted
-        num_matched = 0  # of the drafts, those the matcher took (not the reasoning's)
+    def take_draft(self, token_id: int) -> bool:
+        """Moves on by a draft, until roll_back_drafts(): whether the grammar takes it. A
+        grammar that ended (took its stop token) takes no more drafts: the request stops
+        there."""
+        if self._before_drafts is None:
+            self._before_drafts = copy.copy(self.reasoning), self.num_accepted
+        if self.matcher.is_terminated():
+            return False
+        moved = self._move(token_id)
+        self._num_matched_drafts += bool(moved)
+        return moved is not False
+
+    def roll_back_drafts(self) -> None:
+        if self._before_drafts is None:
+            return
+        if self._num_matched_drafts:
+            self.matcher.rollback(self._num_matched_drafts)
+        self.reasoning, self.num_accepted = self._before_drafts
+        self._before_drafts, self._num_matched_drafts = None, 0
+
+    def num_valid(self, drafts: Sequence[int]) -> int:
+        """How many of the drafts, in turn, the grammar takes; the state stays as it is."""
         try:
-            for taken, token_id in enumerate(drafts):
-                if visit is not None:
-                    visit(taken)
-                if self.matcher.is_terminated():
-                    return taken
-                moved = self._move(token_id)
-                if moved is False:
-                    return taken
-                num_matched += bool(moved)
-            if visit is not None:
-                visit(len(drafts))
-            return len(drafts)
+            return next((j for j, t in enumerate(drafts) if not self.take_draft(t)), len(drafts))
         finally:
-            if num_matched:
-                self.matcher.rollback(num_matched)
-            self.reasoning, self.num_accepted = saved
+            self.roll_back_drafts()
 
     def _move(self, token_id: int) -> bool | None:
         """Moves on by one token: None where the grammar does not judge it (inside the
