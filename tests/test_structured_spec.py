@@ -62,14 +62,18 @@ def test_greedy_gives_the_tokens_of_greedy_without_speculation(engines, kind) ->
 
 @pytest.mark.parametrize("kind", CONSTRAINTS)
 def test_sampled_outputs_hold_with_speculation(engines, kind) -> None:
-    _, spec = engines
+    """Seeded, each draft position draws as its token would without speculation (README):
+    the samples are those of the engine without it."""
+    plain, spec = engines
     constraint, prompt = CONSTRAINTS[kind]
     params = SamplingParams(
         n=4, temperature=1.0, seed=11, max_tokens=60, structured_outputs=constraint
     )
-    for completion in generate(spec, prompt, params):
+    got = generate(spec, prompt, params)
+    for completion in got:
         assert completion.finish_reason == "stop"
         holds(kind, completion.text)
+    assert [c.token_ids for c in got] == [c.token_ids for c in generate(plain, prompt, params)]
 
 
 def test_draft_model_drafts_are_cut_and_verified(tiny_model_dir, engines) -> None:

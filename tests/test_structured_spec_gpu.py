@@ -1,8 +1,8 @@
 """Structured outputs with n-gram speculation on a CUDA device (verify graphs, async scheduling
-on, the GPU default): greedy gives the token ids of greedy without speculation under the same
-constraint. The random Llama's tokenizer has one token a byte, so a text has one tokenization:
-the grammar forces the JSON's keys token by token, and drafts copied from the prompt's answer
-are accepted there."""
+on, the GPU default): greedy, and seeded sampling, give the token ids they give without
+speculation under the same constraint. The random Llama's tokenizer has one token a byte, so a
+text has one tokenization: the grammar forces the JSON's keys token by token, and drafts copied
+from the prompt's answer are accepted there."""
 
 import json
 import re
@@ -76,10 +76,11 @@ def engines(byte_model_dir):
 
 
 @pytest.mark.parametrize("kind", CONSTRAINTS)
-def test_constrained_speculation_gives_the_same_tokens_on_the_gpu(engines, kind) -> None:
+@pytest.mark.parametrize("settings", [dict(temperature=0), dict(temperature=0.9, seed=3)])
+def test_constrained_speculation_gives_the_same_tokens_on_the_gpu(engines, kind, settings):
     plain, spec = engines
     constraint, prompt = CONSTRAINTS[kind]
-    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=constraint)
+    params = SamplingParams(max_tokens=80, structured_outputs=constraint, **settings)
     stats = spec.core_client.core.spec_decoding_stats
     before = stats.snapshot()
     prompts = [prompt, prompt[len(prompt) // 2 :]]  # two requests in a batch
