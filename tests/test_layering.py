@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"kernels", "distributed"},
     "attention": {"layers", "kernels"},
     "sample": {"kernels", "sampling_params", "outputs"},
-    "structured_output": {"sample", "sampling_params", "errors"},
+    "structured_output": {"sample", "sampling_params", "errors", "request"},
     "models": {"attention", "layers", "distributed", "config", "model_files"},
     "core": {"config", "request", "sampling_params", "outputs"},
     "spec_decode": {

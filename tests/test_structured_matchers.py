@@ -71,14 +71,16 @@ def test_batched_fill_equals_each_matcher_filled_alone(grammars) -> None:
         matchers.start_fill(rows)
         bitmask = matchers.bitmask(rows, NUM_LOGITS_ROWS)
         assert bitmask.rows.tolist() == LOGITS_ROWS
-        sampled = torch.full((NUM_SAMPLING_ROWS,), EOS, dtype=torch.int64)
-        for i, (row, reference) in enumerate(zip(ROWS, references)):
+        # sampled at every logits row; sampling row 2 took one of its drafts
+        sampled = torch.full((NUM_LOGITS_ROWS,), EOS, dtype=torch.int64)
+        num_accepted = torch.tensor([0, 0, 1, 0, 0, 0])
+        for i, (logits, reference) in enumerate(zip(LOGITS_ROWS, references)):
             assert torch.equal(bitmask.words[i], reference_mask(reference))
             if not reference.is_terminated():
-                sampled[row] = rng.choice(allowed_ids(bitmask.words[i]))
-                assert reference.accept_token(int(sampled[row]))
-            outputs[i].append(int(sampled[row]))
-        matchers.record_sampled(rows, sampled, None)
+                sampled[logits] = rng.choice(allowed_ids(bitmask.words[i]))
+                assert reference.accept_token(int(sampled[logits]))
+            outputs[i].append(int(sampled[logits]))
+        matchers.record_sampled(rows, sampled, num_accepted, None)
     assert any(r.is_terminated() for r in references)  # masks of finished grammars allow all
 
 
@@ -88,7 +90,7 @@ def test_fill_waits_for_the_step_before_on_its_own_thread(grammars) -> None:
     matchers.start_fill(rows)
     assert allowed_ids(matchers.bitmask(rows, 1).words[0]) == [VOCAB.index("a")]
     step = HeldStep()
-    matchers.record_sampled(rows, torch.tensor([VOCAB.index("a")]), step)
+    matchers.record_sampled(rows, torch.tensor([VOCAB.index("a")]), None, step)
     after = [ConstrainedRow(0, 0, "r", grammars[4], [VOCAB.index("a")], 1, [], None)]
     matchers.start_fill(after)  # returns while the step before still runs
     step.ran.set()

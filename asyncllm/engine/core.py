@@ -80,6 +80,7 @@ class EngineCore:
         # requests held back until their structured-output grammar is compiled
         self._compiling: dict[str, _CompilingRequest] = {}
         self._grammar_failures: list[EngineCoreOutput] = []
+        self._draft_checker = None  # made at the first constrained request's drafts
 
     @property
     def capacity(self) -> KVCapacity:
@@ -302,11 +303,24 @@ class EngineCore:
                 )
             )
         if self.proposer is not None:
-            propose_drafts(self.proposer, self.scheduler.running)
+            propose_drafts(self.proposer, self.scheduler.running, self._grammar_drafts)
         elif runner_output.draft_token_ids is not None:
             requests = (s.request for s in scheduler_output.scheduled)
-            take_drafts(requests, runner_output.draft_token_ids)
+            take_drafts(requests, runner_output.draft_token_ids, self._grammar_drafts)
         return outputs
+
+    def _grammar_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """A constrained request's drafts are cut to the prefix its grammar takes here, as
+        they are proposed and before the scheduler sees them: past a forbidden draft the
+        verify rows have no grammar state to be masked with, and the drafts there could only
+        be rejected, yet would take KV slots, verify rows and the drafts' counts."""
+        if request.grammar is None or not drafts:
+            return drafts
+        if self._draft_checker is None:
+            from asyncllm.structured_output.draft_check import DraftChecker
+
+            self._draft_checker = DraftChecker()
+        return self._draft_checker.valid_prefix(request, drafts)
 
     def _fail_step(
         self, scheduler_output: SchedulerOutput, error: Exception
@@ -318,5 +332,17 @@ class EngineCore:
         )
         ids = [s.request.request_id for s in scheduler_output.scheduled]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        ids += self._drop_samples_of(set(ids))
         message = f"{type(error).__name__}: {error}"
         return [EngineCoreOutput(rid, [], "error", None, error=message) for rid in ids]
+
+    def _drop_samples_of(self, request_ids: set[str]) -> list[str]:
+        """The parallel samples that wait (or compile their grammar) for a failed request's
+        prompt, taken off: they fail with it (their parent has failed). Left waiting for a
+        prompt no step computes, they kept the engine busy forever."""
+        dropped = [r.request_id for i in request_ids for r in self._waiting_for_prompt.pop(i, [])]
+        for request_id, compiling in list(self._compiling.items()):
+            if compiling.prompt_computed_by in request_ids:
+                del self._compiling[request_id]
+                dropped.append(request_id)
+        return dropped

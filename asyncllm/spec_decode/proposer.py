@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from asyncllm.config import SpeculativeConfig
 from asyncllm.request import Request, RequestStatus
 from asyncllm.spec_decode.ngram import NgramProposer
+
+# a request's drafts cut to those its structured-output grammar takes
+DraftCut = Callable[[Request, list[int]], list[int]]
 
 
 def create_host_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
@@ -19,9 +22,9 @@ def create_host_proposer(config: SpeculativeConfig | None) -> NgramProposer | No
 
 def may_speculate(request: Request) -> bool:
     """Drafts are verified with every sampling setting except those that read the tokens
-    before each position (penalties, bad words, min_tokens' stop bans) and a structured-output
-    grammar (its mask covers one row per request): requests using one decode a token at a time,
-    so their outputs stay exact."""
+    before each position (penalties, bad words, min_tokens' stop bans): requests using one
+    decode a token at a time, so their outputs stay exact. A structured-output grammar masks
+    each draft position with its own state's mask (structured_output.matchers)."""
     params = request.sampling_params
     return (
         request.status is RequestStatus.RUNNING
@@ -29,18 +32,20 @@ def may_speculate(request: Request) -> bool:
         and not params.uses_penalties
         and not request.bad_words_token_ids
         and request.num_output_tokens >= params.min_tokens
-        and request.grammar is None
     )
 
 
-def take_drafts(requests: Iterable[Request], drafts: Iterable[list[int]]) -> None:
-    """Leaves the worker's drafts on the requests that may speculate."""
+def take_drafts(requests: Iterable[Request], drafts: Iterable[list[int]], cut: DraftCut) -> None:
+    """Leaves the worker's drafts, cut, on the requests that may speculate."""
     for request, request_drafts in zip(requests, drafts):
-        request.spec_token_ids = request_drafts if may_speculate(request) else []
+        request.spec_token_ids = cut(request, request_drafts) if may_speculate(request) else []
 
 
-def propose_drafts(proposer: NgramProposer, requests: Iterable[Request]) -> None:
-    """Leaves each request's drafts for the next step (none where it may not speculate)."""
+def propose_drafts(proposer: NgramProposer, requests: Iterable[Request], cut: DraftCut) -> None:
+    """Leaves each request's drafts, cut, for the next step (none where it may not
+    speculate)."""
     for request in requests:
-        speculates = may_speculate(request)
-        request.spec_token_ids = proposer.propose(request.all_token_ids) if speculates else []
+        if may_speculate(request):
+            request.spec_token_ids = cut(request, proposer.propose(request.all_token_ids))
+        else:
+            request.spec_token_ids = []

@@ -1,8 +1,10 @@
 """The grammar state of each constrained request on the worker. A step's token bitmask is filled
 on a thread of its own while the runner enqueues the step's forward pass and the device runs it:
 the fill first takes in the tokens the step before sampled (waiting for them, if that step still
-runs), then fills every row's mask with xgrammar's batched fill, on several threads. The runner
-waits for the fill only when the sampler needs the mask.
+runs), then fills every row's mask with xgrammar's batched fill, on several threads. A request
+verifying drafts has a row of logits per draft position and one after: row j gets the mask of
+its state after drafts[:j] (the engine core cut the drafts to those its grammar takes). The
+runner waits for the fill only when the sampler needs the mask.
 
 Invariant: a fill starts and ends within one step's launch, so the matchers are never touched by
 the fill thread and the runner's thread at once."""
@@ -10,19 +12,18 @@ the fill thread and the runner's thread at once."""
 from __future__ import annotations
 
 import concurrent.futures
-import logging
+import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
 
 from asyncllm.sample.grammar_mask import TokenBitmask
 from asyncllm.sampling_params import ReasoningMarkers
-from asyncllm.structured_output.reasoning import Phase, ReasoningTracker
+from asyncllm.structured_output.state import GrammarState
 
-logger = logging.getLogger(__name__)
 # xgrammar's "auto" takes half of std::thread::hardware_concurrency(), the host's cores rather
 # than those this process may use; past 8 threads a 256-row fill gains little and takes cores
 # from the front end and the collector
@@ -37,7 +38,7 @@ def fill_threads() -> int:
 @dataclass
 class ConstrainedRow:
     sampling_row: int  # of the step's sampled ids
-    logits_row: int  # of the logits (a step verifying drafts scores several rows a request)
+    logits_row: int  # the first of the row's logits (a verify step scores 1 + drafts rows)
     request_id: str
     grammar: xgr.CompiledGrammar
     # the outputs this row's sample follows; read only to start a matcher, which happens when
@@ -46,6 +47,12 @@ class ConstrainedRow:
     num_output_tokens: int
     prompt_token_ids: Sequence[int]
     reasoning: ReasoningMarkers | None
+    drafts: Sequence[int] = field(default_factory=list)  # verified this step
+
+    @property
+    def masked_rows(self) -> range:
+        """The logits rows of the request's positions: one per draft and the one after."""
+        return range(self.logits_row, self.logits_row + len(self.drafts) + 1)
 
 
 def constrained_rows(scheduled: list, logits_rows: list[int]) -> list[ConstrainedRow]:
@@ -54,7 +61,10 @@ def constrained_rows(scheduled: list, logits_rows: list[int]) -> list[Constraine
     for sampling_row, (s, logits_row) in enumerate(zip(scheduled, logits_rows)):
         request = s.request
         if request.grammar is not None:
-            num_outputs = s.num_computed_tokens + s.num_new_tokens - request.num_prompt_tokens
+            num_drafts = len(s.spec_token_ids)
+            num_outputs = (
+                s.num_computed_tokens + s.num_new_tokens - num_drafts - request.num_prompt_tokens
+            )
             rows.append(
                 ConstrainedRow(
                     sampling_row,
@@ -65,6 +75,7 @@ def constrained_rows(scheduled: list, logits_rows: list[int]) -> list[Constraine
                     num_outputs,
                     request.prompt_token_ids,
                     request.sampling_params.structured_outputs.reasoning,
+                    s.spec_token_ids,
                 )
             )
     return rows
@@ -75,36 +86,19 @@ class _Sampled:
     """Ids a launched step sampled for constrained requests, readable once `done` happened."""
 
     request_ids: list[str]
-    positions: list[int]  # of each request's id in token_ids
+    positions: list[int]  # of each request's first id in token_ids
+    sampling_rows: list[int]  # of each request, in num_accepted
     token_ids: torch.Tensor  # host, int64
+    # host, int64, per sampling row: the drafts a verify step accepted, followed in token_ids
+    # by the token sampled after them; None for a step without drafts
+    num_accepted: torch.Tensor | None
     done: torch.cuda.Event | None
 
 
-class _Tracked:
-    def __init__(self, row: ConstrainedRow) -> None:
-        self.matcher = xgr.GrammarMatcher(row.grammar)
-        self.reasoning = ReasoningTracker(row.reasoning, row.prompt_token_ids)
-        self.num_accepted = 0
-        self.broken = False  # took a token its grammar forbids: no longer constrained
-        for token_id in row.output_token_ids[: row.num_output_tokens]:
-            self.accept(token_id)
-
-    def accept(self, token_id: int) -> None:
-        self.num_accepted += 1
-        if not self.reasoning.take(token_id):
-            return
-        if self.broken or self.matcher.is_terminated():
-            return
-        if not self.matcher.accept_token(token_id):
-            logger.warning(
-                "a constrained request took token %d, which its grammar forbids", token_id
-            )
-            self.broken = True
-
-    @property
-    def constrains(self) -> bool:
-        thinking = self.reasoning.phase is Phase.THINKING
-        return not (thinking or self.broken or self.matcher.is_terminated())
+def _start(row: ConstrainedRow) -> GrammarState:
+    state = GrammarState(row.grammar, row.reasoning, row.prompt_token_ids)
+    state.accept_all(row.output_token_ids[: row.num_output_tokens])
+    return state
 
 
 class GrammarMatchers:
@@ -122,7 +116,7 @@ class GrammarMatchers:
         self._fill: concurrent.futures.Future[None] | None = None
         # the last bitmask's copy to the device: the host rows are not refilled before it ran
         self._copied: torch.cuda.Event | None = None
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, GrammarState] = {}
         self._sampled: _Sampled | None = None
 
     def forget(self, request_ids: set[str]) -> None:
@@ -139,7 +133,7 @@ class GrammarMatchers:
         """The bitmask start_fill(rows) began, copied to the device without blocking; waits for
         the fill (releasing the GIL)."""
         self._wait_fill()
-        n = len(rows)
+        n = _num_masked(rows)
         words = self._words[:n]
         words.copy_(self._host[:n], non_blocking=True)
         if n == num_logits_rows:  # every row constrained, in order
@@ -157,11 +151,16 @@ class GrammarMatchers:
         self,
         rows: list[ConstrainedRow],
         token_ids: torch.Tensor,
+        num_accepted: torch.Tensor | None,
         done: torch.cuda.Event | None,
     ) -> None:
-        """token_ids: every sampling row's next id on the host, valid once `done` happened."""
+        """On the host, valid once `done` happened: token_ids, the id sampled at every logits
+        row; num_accepted, for a verify step, each sampling row's accepted drafts (the matcher
+        takes those and the token after them)."""
         ids = [row.request_id for row in rows]
-        self._sampled = _Sampled(ids, [row.sampling_row for row in rows], token_ids, done)
+        positions = [row.logits_row for row in rows]
+        sampling_rows = [row.sampling_row for row in rows]
+        self._sampled = _Sampled(ids, positions, sampling_rows, token_ids, num_accepted, done)
 
     def _wait_fill(self) -> None:
         fill, self._fill = self._fill, None
@@ -174,18 +173,42 @@ class GrammarMatchers:
         with torch.inference_mode():
             self._take_sampled()
             tracked = [self._tracked_for(row) for row in rows]
-            live = [i for i, t in enumerate(tracked) if t.constrains]
             if self._copied is not None:
                 self._copied.synchronize()
-            n = len(rows)
-            self._host[:n] = -1  # every token allowed
-            if live:
-                matchers = [tracked[i].matcher for i in live]
-                self._batch.batch_fill_next_token_bitmask(matchers, self._host, indices=live)
-            for i in live:
-                if (token_id := tracked[i].reasoning.opening_token) is not None:
-                    _allow(self._host[i], token_id)
-            self._rows[:n] = torch.tensor([row.logits_row for row in rows])
+            masked = [i for row in rows for i in row.masked_rows]
+            self._host[: len(masked)] = -1  # every token allowed
+            try:
+                self._fill_positions(rows, tracked)
+            finally:
+                for state in tracked:
+                    state.roll_back_drafts()
+            self._rows[: len(masked)] = torch.tensor(masked)
+
+    def _fill_positions(self, rows: list[ConstrainedRow], tracked: list[GrammarState]) -> None:
+        """One batched fill per draft position, of each request's state after its drafts
+        before that position (as far as its grammar takes them)."""
+        firsts = itertools.accumulate((len(row.masked_rows) for row in rows), initial=0)
+        pending = list(zip(tracked, firsts, (row.drafts for row in rows)))
+        for j in range(max(len(row.drafts) for row in rows) + 1):
+            self._fill_batched([(state, first + j) for state, first, _ in pending])
+            pending = [
+                (state, first, drafts)
+                for state, first, drafts in pending
+                if j < len(drafts) and state.take_draft(drafts[j])
+            ]
+
+    def _fill_batched(self, rows: list[tuple[GrammarState, int]]) -> None:
+        """(state, buffer row) pairs."""
+        live = [(state, index) for state, index in rows if state.constrains]
+        if live:
+            matchers, indices = [s.matcher for s, _ in live], [i for _, i in live]
+            self._batch.batch_fill_next_token_bitmask(matchers, self._host, indices=indices)
+        for state, index in live:
+            self._allow_opening(state, index)
+
+    def _allow_opening(self, state: GrammarState, index: int) -> None:
+        if (token_id := state.reasoning.opening_token) is not None:
+            _allow(self._host[index], token_id)
 
     def _take_sampled(self) -> None:
         sampled, self._sampled = self._sampled, None
@@ -194,19 +217,27 @@ class GrammarMatchers:
         if sampled.done is not None:
             sampled.done.synchronize()
         token_ids = sampled.token_ids.tolist()
-        for request_id, position in zip(sampled.request_ids, sampled.positions):
+        accepted = None if sampled.num_accepted is None else sampled.num_accepted.tolist()
+        for request_id, position, row in zip(
+            sampled.request_ids, sampled.positions, sampled.sampling_rows
+        ):
             tracked = self._tracked.get(request_id)
             if tracked is not None:
-                tracked.accept(token_ids[position])
+                num_taken = 1 + (0 if accepted is None else accepted[row])
+                tracked.accept_all(token_ids[position : position + num_taken])
 
-    def _tracked_for(self, row: ConstrainedRow) -> _Tracked:
+    def _tracked_for(self, row: ConstrainedRow) -> GrammarState:
         """The row's matcher at the row's output length; a request without one, or whose matcher
         is off by a token (a preempted request's token in flight was dropped), starts one from its
         outputs."""
         tracked = self._tracked.get(row.request_id)
         if tracked is None or tracked.num_accepted != row.num_output_tokens:
-            tracked = self._tracked[row.request_id] = _Tracked(row)
+            tracked = self._tracked[row.request_id] = _start(row)
         return tracked
+
+
+def _num_masked(rows: list[ConstrainedRow]) -> int:
+    return sum(len(row.masked_rows) for row in rows)
 
 
 def _allow(mask_row: torch.Tensor, token_id: int) -> None:

@@ -201,7 +201,7 @@ class ModelRunner:
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
         # the grammars' allowed tokens are filled on the matchers' thread while the forward
-        # pass is enqueued and runs (constrained requests get no drafts)
+        # pass is enqueued and runs, a mask for each draft position and the one after
         layout = DraftLayout.of(drafts)
         constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows, layout.starts)
         if constrained:
@@ -225,8 +225,6 @@ class ModelRunner:
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
             self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
-            if constrained:  # each row's next token, for the matchers to take in
-                grammar_token_ids = next_token_ids.to("cpu", non_blocking=True)
         if self.drafter is not None:
             forward = TargetForward(
                 inputs.input_ids, inputs.positions, inputs.meta, hidden, aux_hidden
@@ -246,8 +244,11 @@ class ModelRunner:
                 hidden, prompt_spans, self.model.compute_logits
             )
         done = self._record_event()
-        if constrained:
-            self.grammar_matchers.record_sampled(constrained, grammar_token_ids, done)
+        if constrained:  # the rows' tokens, for the matchers to take in
+            host = sampled if verification is None else verification.sampled
+            num_accepted = None if verification is None else verification.num_accepted
+            token_ids = host.sampled_token_ids
+            self.grammar_matchers.record_sampled(constrained, token_ids, num_accepted, done)
         return LaunchedModelStep(
             len(scheduler_output.scheduled),
             inputs.sampling_rows,
@@ -384,7 +385,9 @@ class ModelRunner:
 
         if self.grammar_matchers is None:
             vocab_size = self.config.model.hf_config.vocab_size
-            max_rows = self.config.scheduler.max_num_seqs
+            scheduler = self.config.scheduler
+            # a row of logits per draft position and one after
+            max_rows = scheduler.max_num_seqs * (1 + scheduler.num_lookahead_tokens)
             self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device)
         return constrained_rows(scheduled, logits_rows)
 
