@@ -12,6 +12,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+HEAD_DIM_MULTIPLE = 8  # the kernel reads head_dim in vectors of 8 floats
 
 
 @functools.cache
