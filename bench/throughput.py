@@ -405,6 +405,7 @@ def main() -> None:
     )
     output_tokens = sum(o for _, o in workload)
 
+    load_at_start = os.getloadavg()
     rates = {"matmul_flops_per_s": matmul_rate(device, dtype)}
     rates["copy_bytes_per_s"] = copy_bandwidth(device)
     matmul, copy = rates["matmul_flops_per_s"], rates["copy_bytes_per_s"]
@@ -436,6 +437,8 @@ def main() -> None:
         if device.type == "cuda"
         else f"cpu ({platform.machine()})",
         "cpu_threads": torch.get_num_threads(),
+        # a shared CPU's others: 1, 5 and 15 minute load averages before the rates and after us
+        "load_average": {"start": load_at_start, "after_asyncllm": os.getloadavg()},
         "cpu": cpu_description(),
         "versions": {
             "torch": torch.__version__,
