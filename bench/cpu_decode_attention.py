@@ -25,15 +25,13 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench.throughput import cpu_description
-from kernels.cpu_decode_attention import SOURCE, cpu_decode_attention_available
+from kernels.cpu_decode_attention import SOURCE, build, cpu_decode_attention_available
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
 def build_baseline(rev: str) -> object:
     """The kernel as it was at rev, built under the namespace asyncllm_cpu_baseline."""
-    from torch.utils.cpp_extension import load
-
     source = subprocess.run(
         ["git", "show", f"{rev}:kernels/cpu_decode_attention.cpp"],
         cwd=SOURCE.parent,
@@ -44,13 +42,7 @@ def build_baseline(rev: str) -> object:
     renamed = source.replace("TORCH_LIBRARY(asyncllm_cpu,", "TORCH_LIBRARY(asyncllm_cpu_baseline,")
     path = Path(tempfile.mkdtemp()) / "cpu_decode_attention_baseline.cpp"
     path.write_text(renamed)
-    load(
-        name="asyncllm_cpu_decode_attention_baseline",
-        sources=[str(path)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
+    build("asyncllm_cpu_decode_attention_baseline", path)
     return torch.ops.asyncllm_cpu_baseline.paged_decode_attention
 
 

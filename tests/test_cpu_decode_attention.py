@@ -73,15 +73,27 @@ def test_kernel_matches_sdpa_over_gathered_kv(
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+def kernel_error(
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: list[int],
+    group: int,
+    scale: float,
+    gen: torch.Generator,
+) -> float:
+    """The kernel's fp32 relative error against SDPA for a random query."""
+    query = torch.randn(len(seq_lens), group * NUM_KV_HEADS, kv_cache.shape[-1], generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = paged_decode_attention_cpu(query, kv_cache, tables, lens, scale, torch.empty_like(query))
+    return relative_error(out, sdpa_reference(query, kv_cache, tables, seq_lens, scale))
+
+
 @pytest.mark.parametrize("seq_lens", [[1], [9, 300], [17, 8, 250]])
 def test_kernel_matches_sdpa_for_few_requests(seq_lens: list[int]) -> None:
     """Fewer requests than four per thread: one KV head per work item."""
     gen = torch.Generator().manual_seed(len(seq_lens))
     kv_cache, tables = paged_cache(seq_lens, 16, 64, torch.float32, gen)
-    query = torch.randn(len(seq_lens), 3 * NUM_KV_HEADS, 64, generator=gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = paged_decode_attention_cpu(query, kv_cache, tables, lens, 0.3, torch.empty_like(query))
-    assert relative_error(out, sdpa_reference(query, kv_cache, tables, seq_lens, 0.3)) < 1e-5
+    assert kernel_error(kv_cache, tables, seq_lens, 3, 0.3, gen) < 1e-5
 
 
 def test_kernel_matches_sdpa_with_peaked_scores() -> None:
@@ -90,10 +102,7 @@ def test_kernel_matches_sdpa_with_peaked_scores() -> None:
     seq_lens = [61, 200, 7]
     kv_cache, tables = paged_cache(seq_lens, 16, 64, torch.float32, gen)
     kv_cache[0] *= torch.linspace(0.5, 4, kv_cache.shape[1])[:, None, None, None]
-    query = torch.randn(len(seq_lens), 2 * NUM_KV_HEADS, 64, generator=gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = paged_decode_attention_cpu(query, kv_cache, tables, lens, 4.0, torch.empty_like(query))
-    assert relative_error(out, sdpa_reference(query, kv_cache, tables, seq_lens, 4.0)) < 1e-5
+    assert kernel_error(kv_cache, tables, seq_lens, 2, 4.0, gen) < 1e-5
 
 
 def test_kernel_leaves_rows_past_the_requests_alone() -> None:
