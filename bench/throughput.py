@@ -5,8 +5,10 @@ Workload: N requests whose prompt and output lengths are each uniform in [min_le
 `generate` in static batches (left-padded, each batch run to its longest output, only requested
 tokens counted); on CUDA continuous batching (`continuous_batching_context_manager`, CUDA graphs).
 The floor is the workload's physical limit from rates measured in the same run: on CPU all FLOPs
-at the matmul rate; on CUDA prefill FLOPs at the matmul rate plus, for each decode step, the
-weights and every live request's KV read once at the copy bandwidth.
+at the matmul rate (the compute floor; also the roofline floor, each decode step the larger of
+its FLOPs at the matmul rate and its weights + live KV at the copy bandwidth); on CUDA prefill
+FLOPs at the matmul rate plus, for each decode step, the weights and every live request's KV
+read once at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -144,23 +147,45 @@ def token_flops(config: transformers.PretrainedConfig, context: int) -> float:
     return 2 * weight_count(config) + layers * 4 * heads * head_dim * context
 
 
+def prefill_flops(config, workload: Workload) -> float:
+    return sum(token_flops(config, t) for p, _ in workload for t in range(len(p)))
+
+
+def decode_contexts(workload: Workload) -> Iterator[list[int]]:
+    """The live requests' contexts at each decode step, all requests in lockstep."""
+    for step in range(max(o for _, o in workload)):
+        yield [len(p) + step for p, o in workload if o > step]
+
+
+def step_bytes(config, contexts: list[int], dtype_bytes: int) -> float:
+    """A decode step's reads: the weights once and every live request's KV once."""
+    layers, _, kv_heads, head_dim = _geometry(config)
+    kv_per_token = 2 * layers * kv_heads * head_dim
+    return (weight_count(config) + kv_per_token * sum(contexts)) * dtype_bytes
+
+
 def cpu_floor_seconds(config, workload: Workload, matmul: float) -> float:
     flops = sum(token_flops(config, t) for p, o in workload for t in range(len(p) + o))
     return flops / matmul
+
+
+def cpu_roofline_floor_seconds(config, workload: Workload, matmul: float, copy: float) -> float:
+    """Prefill at the matmul rate; each decode step the larger of its FLOPs at the matmul rate
+    and its bytes (fp32 weights + live KV) at the copy bandwidth (METHOD.md's floor)."""
+    seconds = prefill_flops(config, workload) / matmul
+    for live in decode_contexts(workload):
+        compute = sum(token_flops(config, t) for t in live) / matmul
+        seconds += max(compute, step_bytes(config, live, 4) / copy)
+    return seconds
 
 
 def gpu_floor_seconds(
     config, workload: Workload, matmul: float, copy: float, dtype_bytes: int
 ) -> float:
     """Prefill at the matmul rate; decode steps in lockstep, each reading weights + live KV."""
-    layers, _, kv_heads, head_dim = _geometry(config)
-    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-    weights = weight_count(config) * dtype_bytes
-    prefill = sum(token_flops(config, t) for p, _ in workload for t in range(len(p)))
-    seconds = prefill / matmul
-    for step in range(max(o for _, o in workload)):
-        live = [len(p) + step for p, o in workload if o > step]
-        seconds += (weights + kv_per_token * sum(live)) / copy
+    seconds = prefill_flops(config, workload) / matmul
+    for live in decode_contexts(workload):
+        seconds += step_bytes(config, live, dtype_bytes) / copy
     return seconds
 
 
@@ -380,14 +405,17 @@ def main() -> None:
     )
     output_tokens = sum(o for _, o in workload)
 
+    load_at_start = os.getloadavg()
     rates = {"matmul_flops_per_s": matmul_rate(device, dtype)}
+    rates["copy_bytes_per_s"] = copy_bandwidth(device)
+    matmul, copy = rates["matmul_flops_per_s"], rates["copy_bytes_per_s"]
+    roofline = None
     if device.type == "cuda":
-        rates["copy_bytes_per_s"] = copy_bandwidth(device)
-        floor_s = gpu_floor_seconds(
-            config, workload, rates["matmul_flops_per_s"], rates["copy_bytes_per_s"], 2
-        )
+        floor_s = gpu_floor_seconds(config, workload, matmul, copy, 2)
     else:
-        floor_s = cpu_floor_seconds(config, workload, rates["matmul_flops_per_s"])
+        floor_s = cpu_floor_seconds(config, workload, matmul)
+        roofline = output_tokens / cpu_roofline_floor_seconds(config, workload, matmul, copy)
+        print(f"CPU roofline floor {roofline:.1f} output tokens/s (compute floor below)")
     floor = output_tokens / floor_s
     print(
         f"rates {json.dumps({k: f'{v:.3g}' for k, v in rates.items()})}; floor {floor:.1f} output tokens/s"
@@ -409,6 +437,8 @@ def main() -> None:
         if device.type == "cuda"
         else f"cpu ({platform.machine()})",
         "cpu_threads": torch.get_num_threads(),
+        # a shared CPU's others: 1, 5 and 15 minute load averages before the rates and after us
+        "load_average": {"start": load_at_start, "after_asyncllm": os.getloadavg()},
         "cpu": cpu_description(),
         "versions": {
             "torch": torch.__version__,
@@ -431,6 +461,9 @@ def main() -> None:
         "asyncllm": ours,
         "fraction_of_floor": ours["output_tokens_per_s"] / floor,
     }
+    if roofline:  # CPU: the floor above is the compute floor, all FLOPs at the matmul rate
+        result["roofline_floor_output_tokens_per_s"] = roofline
+        result["fraction_of_roofline_floor"] = ours["output_tokens_per_s"] / roofline
     if "single_stream" in ours:
         layers_bytes = weight_count(config) * (2 if device.type == "cuda" else 4)
         bandwidth = rates.get("copy_bytes_per_s")

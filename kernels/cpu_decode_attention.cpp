@@ -1,5 +1,11 @@
 // Paged decode attention on CPU: one query token per request attends over its KV blocks where
 // they lie in the cache, with no gathered copy. Layout: asyncllm/attention/backend.py.
+//
+// Per (request, KV head), one pass over the context in tiles of kTile positions: the scores of
+// every query head of the group against the tile, an online softmax, and the tile's values
+// added into the heads' accumulators. Each K and V row is read once for the whole group, and
+// heads are taken in blocks of up to kHeadBlock so that a block's accumulators stay in the 16
+// vector registers of AVX2.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -7,9 +13,116 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+constexpr int kTile = 8;       // positions per tile: one vector of scores
+constexpr int kHeadBlock = 3;  // query heads whose accumulators share the registers
+constexpr int kChunk = 4;      // vectors of head_dim per accumulator pass over the tile's values
+
+// Eight float lanes: AVX2 intrinsics where the build targets them, plain arrays (left to the
+// compiler's vectoriser) elsewhere.
+#if defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  __m256 v;
+};
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline Vec load(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16))};
+}
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline Vec splat(float x) { return {_mm256_set1_ps(x)}; }
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec round(Vec a) {
+  return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+// 2^n for integer-valued n in [-126, 127]
+inline Vec exp2_int(Vec n) {
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(biased, 23))};
+}
+// lanes at and past n set to fill
+inline Vec first_lanes(Vec a, int n, float fill) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+  return {_mm256_blendv_ps(_mm256_set1_ps(fill), a.v, keep)};
+}
+inline float reduce_sum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// out[i] = the sum of a[i]'s lanes, for four vectors at once
+inline void store_sums4(const Vec* a, float* out) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a[0].v, a[1].v), _mm256_hadd_ps(a[2].v, a[3].v));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+}
+#else
+struct Vec {
+  float v[8];
+};
+template <typename F>
+inline Vec lanewise(F f) {
+  Vec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = f(i);
+  return r;
+}
+template <typename scalar_t>
+inline Vec load(const scalar_t* p) { return lanewise([&](int i) { return static_cast<float>(p[i]); }); }
+inline void store(float* p, Vec a) { std::copy(a.v, a.v + 8, p); }
+inline Vec splat(float x) { return lanewise([&](int) { return x; }); }
+inline Vec add(Vec a, Vec b) { return lanewise([&](int i) { return a.v[i] + b.v[i]; }); }
+inline Vec mul(Vec a, Vec b) { return lanewise([&](int i) { return a.v[i] * b.v[i]; }); }
+inline Vec fmadd(Vec a, Vec b, Vec c) {
+  return lanewise([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); });
+}
+inline Vec max(Vec a, Vec b) { return lanewise([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+inline Vec round(Vec a) { return lanewise([&](int i) { return std::nearbyint(a.v[i]); }); }
+inline Vec exp2_int(Vec n) {
+  return lanewise([&](int i) { return std::ldexp(1.f, static_cast<int>(n.v[i])); });
+}
+inline Vec first_lanes(Vec a, int n, float fill) {
+  return lanewise([&](int i) { return i < n ? a.v[i] : fill; });
+}
+inline float reduce_sum(Vec a) { return std::accumulate(a.v, a.v + 8, 0.f); }
+inline float reduce_max(Vec a) { return *std::max_element(a.v, a.v + 8); }
+inline void store_sums4(const Vec* a, float* out) {
+  for (int i = 0; i < 4; ++i) out[i] = reduce_sum(a[i]);
+}
+#endif
+
+// exp(x) for x <= 0 (a score less the running maximum): x = n ln2 + r with |r| <= ln2 / 2,
+// exp(r) by Cephes' degree-7 polynomial (about 1 ulp), 2^n in the exponent bits. Below -87
+// exp(x) is under float's smallest normal: a weight of about 1e-38 against a sum of at least 1.
+inline Vec exp_nonpositive(Vec x) {
+  x = max(x, splat(-87.f));
+  const Vec n = round(mul(x, splat(1.44269504088896341f)));
+  Vec r = fmadd(n, splat(-0.693359375f), x);
+  r = fmadd(n, splat(2.12194440e-4f), r);
+  Vec p = splat(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = fmadd(p, r, splat(c));
+  p = fmadd(p, mul(r, r), add(r, splat(1.f)));
+  return mul(p, exp2_int(n));
+}
 
 struct Shape {
   int64_t num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -18,74 +131,178 @@ struct Shape {
   int64_t block_stride() const { return block_size * token_stride(); }
 };
 
-// Per-thread scratch, grown to the longest context the thread meets.
+// One work item's running state over its query heads: q [heads, D] pre-scaled, acc [heads, D],
+// the tile's scores or weights [heads, kTile], and per head the running max and sum (lanewise).
 struct Scratch {
-  std::vector<float> query, scores, acc, inv_sum;
+  std::vector<float> query, acc, scores, max;
+  std::vector<Vec> sum;
 };
 
+// A request's context in tiles of kTile positions: each tile's row offsets within the K (or V)
+// half of the cache, found by counting through the block table rather than a division per row.
+class TileCursor {
+ public:
+  TileCursor(const int32_t* table, int64_t seq_len, const Shape& shape)
+      : table_(table), left_(seq_len), shape_(shape) {}
+
+  // Fills rows[0, kTile), past the context's end with its last row; returns the rows in it.
+  int next(int64_t* rows) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, left_));
+    for (int t = 0; t < n; ++t) {
+      rows[t] = table_[block_] * shape_.block_stride() + offset_ * shape_.token_stride();
+      if (++offset_ == shape_.block_size) ++block_, offset_ = 0;
+    }
+    for (int t = n; n > 0 && t < kTile; ++t) rows[t] = rows[n - 1];
+    left_ -= n;
+    return n;
+  }
+
+ private:
+  const int32_t* table_;
+  int64_t left_, block_ = 0, offset_ = 0;
+  const Shape& shape_;
+};
+
+// The next tile's K and V rows on their way to the cache while this tile is computed: a
+// request's blocks lie anywhere in the cache, where the hardware prefetcher does not follow.
 template <typename scalar_t>
-float dot(const float* q, const scalar_t* k, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
-  return sum;
+void prefetch_rows(const scalar_t* keys, const scalar_t* values, const int64_t* rows, int n,
+                   int64_t D) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  for (int t = 0; t < n; ++t)
+    for (int64_t d = 0; d < D; d += kLine) {
+      __builtin_prefetch(keys + rows[t] + d);
+      __builtin_prefetch(values + rows[t] + d);
+    }
 }
 
-template <typename scalar_t>
-void add_scaled(float* acc, float w, const scalar_t* v, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) acc[d] += w * static_cast<float>(v[d]);
-}
-
-// Calls visit(pos, offset of the position's row within the K or V half) block by block.
-template <typename Visit>
-void for_each_position(const int32_t* block_table, int64_t seq_len, const Shape& s, Visit visit) {
-  for (int64_t start = 0; start < seq_len; start += s.block_size) {
-    const int64_t base = block_table[start / s.block_size] * s.block_stride();
-    const int64_t n = std::min(s.block_size, seq_len - start);
-    for (int64_t t = 0; t < n; ++t) visit(start + t, base + t * s.token_stride());
+// The scores of NH heads against the kTile rows: scores[h * kTile + t] = q_h . k_t.
+template <int NH, typename scalar_t>
+void tile_scores(const float* q, const scalar_t* const* rows, int64_t D, float* scores) {
+  for (int half = 0; half < kTile; half += 4) {
+    Vec acc[NH][4];
+    for (auto& head : acc)
+      for (Vec& a : head) a = splat(0.f);
+    for (int64_t c = 0; c < D; c += 8) {
+      Vec qc[NH];
+      for (int h = 0; h < NH; ++h) qc[h] = load(q + h * D + c);
+      for (int t = 0; t < 4; ++t) {
+        const Vec k = load(rows[half + t] + c);
+        for (int h = 0; h < NH; ++h) acc[h][t] = fmadd(qc[h], k, acc[h][t]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) store_sums4(acc[h], scores + h * kTile + half);
   }
 }
 
-// The query heads sharing one KV head of one request: each K and V row is read once for all of
-// them. Scratch: q [group, D] pre-scaled, scores [group, seq_len], acc [group, D].
-// kHeadDim > 0 makes head_dim a compile-time constant (fully unrolled loops: 1.5x faster at 64);
-// 0 reads it from the shape.
-template <typename scalar_t, int64_t kHeadDim>
-void attend_group(const scalar_t* query, const scalar_t* keys, const scalar_t* values,
+// acc_h[c0, c0 + 8 W) += sum over the tile's first n rows of p_h[t] v_t[c0, c0 + 8 W)
+template <int NH, int W, typename scalar_t>
+void add_values(const float* p, const scalar_t* const* rows, int n, int64_t c0, int64_t D,
+                float* acc) {
+  Vec a[NH][W];
+  for (int h = 0; h < NH; ++h)
+    for (int w = 0; w < W; ++w) a[h][w] = load(acc + h * D + c0 + 8 * w);
+  for (int t = 0; t < n; ++t) {
+    Vec weight[NH];
+    for (int h = 0; h < NH; ++h) weight[h] = splat(p[h * kTile + t]);
+    for (int w = 0; w < W; ++w) {
+      const Vec v = load(rows[t] + c0 + 8 * w);
+      for (int h = 0; h < NH; ++h) a[h][w] = fmadd(weight[h], v, a[h][w]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int w = 0; w < W; ++w) store(acc + h * D + c0 + 8 * w, a[h][w]);
+}
+
+template <int NH, typename scalar_t>
+void add_tile_values(const float* p, const scalar_t* const* rows, int n, int64_t D, float* acc) {
+  int64_t c0 = 0;
+  for (; c0 + 8 * kChunk <= D; c0 += 8 * kChunk) add_values<NH, kChunk>(p, rows, n, c0, D, acc);
+  for (; c0 < D; c0 += 8) add_values<NH, 1>(p, rows, n, c0, D, acc);
+}
+
+// Turns a tile's scores (n valid) into weights against the running max, rescaling the heads'
+// sums and accumulators where the max grew.
+void online_softmax(float* scores, int n, int64_t heads, int64_t D, Scratch& s, float* acc) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const Vec x = first_lanes(load(scores + h * kTile), n, -std::numeric_limits<float>::infinity());
+    const float tile_max = reduce_max(x);
+    if (tile_max > s.max[h]) {
+      const Vec correction = splat(std::exp(s.max[h] - tile_max));  // 0 on the first tile
+      s.sum[h] = mul(s.sum[h], correction);
+      for (int64_t d = 0; d < D; d += 8)
+        store(acc + h * D + d, mul(load(acc + h * D + d), correction));
+      s.max[h] = tile_max;
+    }
+    const Vec p = first_lanes(exp_nonpositive(add(x, splat(-s.max[h]))), n, 0.f);
+    s.sum[h] = add(s.sum[h], p);
+    store(scores + h * kTile, p);
+  }
+}
+
+// Heads [0, heads) in blocks of up to kHeadBlock, the tail block by its own instantiation.
+template <typename Block>
+void for_head_blocks(int64_t heads, Block block) {
+  int64_t h = 0;
+  for (; h + kHeadBlock <= heads; h += kHeadBlock) block(h, std::integral_constant<int, 3>{});
+  if (heads - h == 2) block(h, std::integral_constant<int, 2>{});
+  if (heads - h == 1) block(h, std::integral_constant<int, 1>{});
+}
+
+// KV heads [first, first + count) of one request, with the query heads of their groups: each
+// tile's rows are read once for all of them, count * head_dim values side by side.
+template <typename scalar_t>
+void attend_heads(const scalar_t* query, const scalar_t* keys, const scalar_t* values,
                   const int32_t* block_table, int64_t seq_len, float scale, scalar_t* out,
-                  const Shape& s, Scratch& scratch) {
-  const int64_t group = s.group(), D = kHeadDim > 0 ? kHeadDim : s.head_dim;
-  scratch.query.resize(group * D);
-  scratch.scores.resize(group * seq_len);
-  scratch.acc.assign(group * D, 0.f);
-  scratch.inv_sum.resize(group);
-  float* q = scratch.query.data();
-  float* scores = scratch.scores.data();
-  float* acc = scratch.acc.data();
-  float* inv_sum = scratch.inv_sum.data();
-  for (int64_t i = 0; i < group * D; ++i) q[i] = scale * static_cast<float>(query[i]);
+                  int64_t count, const Shape& shape, Scratch& s) {
+  const int64_t G = shape.group(), D = shape.head_dim, heads = count * G;
+  s.query.resize(heads * D);
+  s.scores.resize(heads * kTile);
+  s.acc.assign(heads * D, 0.f);
+  s.max.assign(heads, -std::numeric_limits<float>::infinity());
+  s.sum.assign(heads, splat(0.f));
+  float* acc = s.acc.data();
+  float* scores = s.scores.data();
+  for (int64_t i = 0; i < heads * D; ++i) s.query[i] = scale * static_cast<float>(query[i]);
 
-  for_each_position(block_table, seq_len, s, [&](int64_t pos, int64_t offset) {
-    for (int64_t g = 0; g < group; ++g)
-      scores[g * seq_len + pos] = dot(q + g * D, keys + offset, D);
-  });
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * seq_len;
-    const float max = *std::max_element(row, row + seq_len);
-    float sum = 0.f;
-    for (int64_t pos = 0; pos < seq_len; ++pos) sum += row[pos] = std::exp(row[pos] - max);
-    inv_sum[g] = 1.f / sum;
+  TileCursor cursor(block_table, seq_len, shape);
+  int64_t rows[2][kTile];
+  int n_next = cursor.next(rows[0]);
+  const scalar_t* key_rows[kTile];
+  const scalar_t* value_rows[kTile];
+  for (int64_t tile = 0; n_next > 0; ++tile) {
+    const int64_t* current = rows[tile % 2];
+    const int n = n_next;
+    n_next = cursor.next(rows[(tile + 1) % 2]);
+    prefetch_rows(keys, values, rows[(tile + 1) % 2], n_next, count * D);
+    for (int64_t kv = 0; kv < count; ++kv) {
+      for (int t = 0; t < kTile; ++t) key_rows[t] = keys + current[t] + kv * D;
+      for_head_blocks(G, [&](int64_t h, auto nh) {
+        const int64_t head = kv * G + h;
+        tile_scores<decltype(nh)::value>(s.query.data() + head * D, key_rows, D,
+                                         scores + head * kTile);
+      });
+    }
+    online_softmax(scores, n, heads, D, s, acc);
+    for (int64_t kv = 0; kv < count; ++kv) {
+      for (int t = 0; t < kTile; ++t) value_rows[t] = values + current[t] + kv * D;
+      for_head_blocks(G, [&](int64_t h, auto nh) {
+        const int64_t head = kv * G + h;
+        add_tile_values<decltype(nh)::value>(scores + head * kTile, value_rows, n, D,
+                                             acc + head * D);
+      });
+    }
   }
-  for_each_position(block_table, seq_len, s, [&](int64_t pos, int64_t offset) {
-    for (int64_t g = 0; g < group; ++g)
-      add_scaled(acc + g * D, scores[g * seq_len + pos], values + offset, D);
-  });
-  for (int64_t g = 0; g < group; ++g)
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv_sum = 1.f / reduce_sum(s.sum[h]);
     for (int64_t d = 0; d < D; ++d)
-      out[g * D + d] = static_cast<scalar_t>(acc[g * D + d] * inv_sum[g]);
+      out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv_sum);
+  }
 }
 
+// Work items are (request, span of KV heads): a request's every KV head at once where there
+// are requests enough to keep the threads busy (its rows read whole, in address order), one
+// KV head an item where there are few.
 template <typename scalar_t>
 void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
@@ -97,16 +314,15 @@ void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
   const int64_t head_span = s.group() * s.head_dim;
-  const auto attend = s.head_dim == 64    ? attend_group<scalar_t, 64>
-                      : s.head_dim == 128 ? attend_group<scalar_t, 128>
-                                          : attend_group<scalar_t, 0>;
-  at::parallel_for(0, s.num_reqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t span = s.num_reqs >= 4 * at::get_num_threads() ? s.num_kv_heads : 1;
+  const int64_t spans = s.num_kv_heads / span;
+  at::parallel_for(0, s.num_reqs * spans, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / s.num_kv_heads, h = item % s.num_kv_heads;
-      attend(q + r * query.stride(0) + h * head_span, keys + h * s.head_dim,
-             values + h * s.head_dim, tables + r * s.max_blocks, lens[r], scale,
-             o + r * out.stride(0) + h * head_span, s, scratch);
+      const int64_t r = item / spans, h = item % spans * span;
+      attend_heads(q + r * query.stride(0) + h * head_span, keys + h * s.head_dim,
+                   values + h * s.head_dim, tables + r * s.max_blocks, lens[r], scale,
+                   o + r * out.stride(0) + h * head_span, span, s, scratch);
     }
   });
 }
@@ -155,6 +371,7 @@ Shape check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(block_tables.size(0) == s.num_reqs && query.size(0) >= s.num_reqs,
               "block_tables needs one row per request, query at least one");
   TORCH_CHECK(kv_cache.size(4) == s.head_dim, "query and kv_cache head_dim differ");
+  TORCH_CHECK(s.head_dim % 8 == 0, "head_dim must be a multiple of 8");
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   check_contexts(block_tables, seq_lens, s, kv_cache.size(1));
   return s;

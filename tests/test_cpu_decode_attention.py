@@ -57,7 +57,7 @@ def sdpa_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])  # the kernel takes query heads 3 at a time
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: the kernel's generic head_dim
 def test_kernel_matches_sdpa_over_gathered_kv(
     head_dim: int, group: int, block_size: int, dtype: torch.dtype
@@ -71,6 +71,38 @@ def test_kernel_matches_sdpa_over_gathered_kv(
     out = paged_decode_attention_cpu(query, kv_cache, tables, lens, 0.3, torch.empty_like(query))
     ref = sdpa_reference(query, kv_cache, tables, seq_lens, 0.3)
     assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+def kernel_error(
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: list[int],
+    group: int,
+    scale: float,
+    gen: torch.Generator,
+) -> float:
+    """The kernel's fp32 relative error against SDPA for a random query."""
+    query = torch.randn(len(seq_lens), group * NUM_KV_HEADS, kv_cache.shape[-1], generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = paged_decode_attention_cpu(query, kv_cache, tables, lens, scale, torch.empty_like(query))
+    return relative_error(out, sdpa_reference(query, kv_cache, tables, seq_lens, scale))
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [9, 300], [17, 8, 250]])
+def test_kernel_matches_sdpa_for_few_requests(seq_lens: list[int]) -> None:
+    """Fewer requests than four per thread: one KV head per work item."""
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    kv_cache, tables = paged_cache(seq_lens, 16, 64, torch.float32, gen)
+    assert kernel_error(kv_cache, tables, seq_lens, 3, 0.3, gen) < 1e-5
+
+
+def test_kernel_matches_sdpa_with_peaked_scores() -> None:
+    """Scores spread over hundreds: most weights underflow, and the running max moves often."""
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = [61, 200, 7]
+    kv_cache, tables = paged_cache(seq_lens, 16, 64, torch.float32, gen)
+    kv_cache[0] *= torch.linspace(0.5, 4, kv_cache.shape[1])[:, None, None, None]
+    assert kernel_error(kv_cache, tables, seq_lens, 2, 4.0, gen) < 1e-5
 
 
 def test_kernel_leaves_rows_past_the_requests_alone() -> None:
@@ -92,6 +124,15 @@ def test_kernel_rejects_a_context_longer_than_its_block_table() -> None:
         paged_decode_attention_cpu(query, kv_cache, tables, too_long, 0.125, query.clone())
 
 
+def test_kernel_rejects_a_head_dim_off_its_vectors() -> None:
+    gen = torch.Generator().manual_seed(0)
+    kv_cache, tables = paged_cache([7], 16, 12, torch.float32, gen)
+    query = torch.randn(1, 2, 12, generator=gen)
+    lens = torch.tensor([7], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        paged_decode_attention_cpu(query, kv_cache, tables, lens, 0.125, query.clone())
+
+
 def step(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     starts = [0]
     for n in query_lens:
@@ -106,6 +147,16 @@ def step(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor) -> At
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
     )
+
+
+def test_backend_decodes_a_head_dim_off_the_kernels_vectors_on_torch() -> None:
+    gen = torch.Generator().manual_seed(3)
+    kv_cache, tables = paged_cache([30, 5], 16, 12, torch.float32, gen)
+    meta = step([1, 1], [30, 5], tables)
+    query = torch.randn(2, 4, 12, generator=gen)
+    out = TorchAttentionBackend().attend(query, kv_cache, meta, 0.3)
+    ref = sdpa_reference(query, kv_cache, tables, [30, 5], 0.3)
+    assert relative_error(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize(

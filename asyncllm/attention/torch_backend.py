@@ -17,7 +17,11 @@ from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
-from kernels.cpu_decode_attention import cpu_decode_attention_available, paged_decode_attention_cpu
+from kernels.cpu_decode_attention import (
+    HEAD_DIM_MULTIPLE,
+    cpu_decode_attention_available,
+    paged_decode_attention_cpu,
+)
 
 T = TypeVar("T")
 
@@ -300,6 +304,7 @@ class TorchAttentionBackend:
             and query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.bfloat16)
             and kv_cache.dtype == query.dtype
+            and query.shape[-1] % HEAD_DIM_MULTIPLE == 0
             and cpu_decode_attention_available()
         )
 

@@ -9,4 +9,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one tensor fewer written

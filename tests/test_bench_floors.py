@@ -1,0 +1,39 @@
+"""bench/throughput.py's floors: the CPU roofline floor is the compute floor where bytes are
+free and the decode steps' bytes alone where FLOPs are free."""
+
+from __future__ import annotations
+
+import math
+
+import transformers
+
+from bench.throughput import cpu_floor_seconds, cpu_roofline_floor_seconds, gpu_floor_seconds
+
+CONFIG = transformers.LlamaConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+)
+WORKLOAD = [([1] * 5, 3), ([1] * 9, 7), ([1] * 2, 1)]
+
+
+def test_roofline_floor_is_the_compute_floor_where_bytes_are_free() -> None:
+    roofline = cpu_roofline_floor_seconds(CONFIG, WORKLOAD, 1e9, math.inf)
+    assert math.isclose(roofline, cpu_floor_seconds(CONFIG, WORKLOAD, 1e9))
+
+
+def test_roofline_floor_is_the_steps_bytes_where_flops_are_free() -> None:
+    roofline = cpu_roofline_floor_seconds(CONFIG, WORKLOAD, math.inf, 1e9)
+    assert math.isclose(roofline, gpu_floor_seconds(CONFIG, WORKLOAD, math.inf, 1e9, 4))
+
+
+def test_roofline_floor_is_at_least_either_bound() -> None:
+    roofline = cpu_roofline_floor_seconds(CONFIG, WORKLOAD, 1e9, 1e8)
+    assert roofline >= cpu_floor_seconds(CONFIG, WORKLOAD, 1e9)
+    assert roofline >= gpu_floor_seconds(CONFIG, WORKLOAD, math.inf, 1e8, 4)
+    assert roofline < cpu_floor_seconds(CONFIG, WORKLOAD, 1e9) + gpu_floor_seconds(
+        CONFIG, WORKLOAD, math.inf, 1e8, 4
+    )
