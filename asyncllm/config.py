@@ -62,8 +62,8 @@ class EngineArgs:
     # vLLM's --speculative-config: a JSON object (a dict from Python) with method,
     # num_speculative_tokens, model, prompt_lookup_min and prompt_lookup_max
     speculative_config: dict | str | None = None
-    # fp8 quantizes a 16-bit checkpoint's weights at load; a quantized checkpoint's own
-    # quantization_config needs no flag (given, it must agree)
+    # fp8 (or int8, on CPU) quantizes a 16-bit checkpoint's weights at load; a quantized
+    # checkpoint's own quantization_config needs no flag (given, it must agree)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, half a bf16 cache)
 

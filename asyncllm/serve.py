@@ -98,8 +98,8 @@ ENGINE_FLAG_HELP = {
     "speculative_config": "speculative decoding as JSON with vLLM's keys, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
     "(method ngram; draft_model, eagle, eagle3 or medusa with model)",
-    "quantization": "a quantization method for an unquantized checkpoint: fp8 (weights "
-    "quantized at load); None: the checkpoint's own quantization_config, if any",
+    "quantization": "a quantization method for an unquantized checkpoint: fp8 or, on CPU, int8 "
+    "(weights quantized at load); None: the checkpoint's own quantization_config, if any",
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (e4m3, half a bf16 cache's bytes)",
     "profiler_dir": "a folder for the engine core's torch profiler traces, which turns on POST "
     "/start_profile and /stop_profile (None: $ASYNCLLM_TORCH_PROFILER_DIR, else off)",

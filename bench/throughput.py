@@ -200,21 +200,23 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     phases = time_phases(llm) if args.profile_steps else None
     cached = triton_cache_entries()
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     compiled = len(triton_cache_entries() - cached)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == sum(o for _, o in workload), "asyncllm did not produce every requested token"
     result = {
         "seconds": elapsed,
         "output_tokens_per_s": produced / elapsed,
+        "cpu_seconds": cpu_seconds,
         "async_scheduling": llm.config.async_scheduling,
         "triton_kernels_compiled_during_run": compiled,
     }
@@ -294,7 +296,7 @@ def load_hf(path: Path, dummy: bool, dtype: torch.dtype, device: torch.device):
 
 @torch.inference_mode()
 def run_hf_static(model, workload: Workload, batch_size: int, device: torch.device) -> dict:
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()
     for i in range(0, len(workload), batch_size):
         batch = workload[i : i + batch_size]
         width = max(len(p) for p, _ in batch)
@@ -317,6 +319,7 @@ def run_hf_static(model, workload: Workload, batch_size: int, device: torch.devi
         "kind": f"generate, static batches of {batch_size}",
         "seconds": elapsed,
         "output_tokens_per_s": sum(o for _, o in workload) / elapsed,
+        "cpu_seconds": time.process_time() - cpu_start,
     }
 
 
@@ -387,6 +390,11 @@ def main() -> None:
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="the engine's flag (fp8; int8 on CPU); the HF peer stays unquantized",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
     print(f"{parser.prog}: {args.num_requests} requests, lengths U[{args.min_len}, "
@@ -421,6 +429,7 @@ def main() -> None:
         f"rates {json.dumps({k: f'{v:.3g}' for k, v in rates.items()})}; floor {floor:.1f} output tokens/s"
     )
 
+    load_before = os.getloadavg()
     ours = run_asyncllm(str(path), workload, args)
     print(
         f"asyncllm: {ours['output_tokens_per_s']:.1f} output tokens/s "
@@ -430,7 +439,10 @@ def main() -> None:
         "benchmark": "throughput",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(
-            [*(f"{k}={v}" for k, v in os.environ.items() if k.startswith("ASYNCLLM_")), "python"]
+            [
+                *(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("ASYNCLLM_", "OMP_"))),
+                "python",
+            ]
             + sys.argv
         ),
         "device": torch.cuda.get_device_name()
@@ -448,6 +460,7 @@ def main() -> None:
         "model": args.shape or str(path),
         "tensor_parallel_size": args.tensor_parallel_size,
         "dtype": str(dtype),
+        "quantization": args.quantization,
         "workload": {
             "num_requests": args.num_requests,
             "min_len": args.min_len,
@@ -479,10 +492,14 @@ def main() -> None:
         )
         result["hf_transformers"] = peer
         result["speedup_vs_hf"] = ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        if "cpu_seconds" in peer:  # on a loaded machine the CPU time is the steadier ratio
+            result["speedup_vs_hf_cpu_time"] = peer["cpu_seconds"] / ours["cpu_seconds"]
         print(
             f"HF transformers ({peer['kind']}): {peer['output_tokens_per_s']:.1f} output tokens/s; "
             f"asyncllm / HF = {result['speedup_vs_hf']:.2f}x"
         )
+    # the machine's 1-minute load average (this run included) before and after the run
+    result["load_average"] = {"before": load_before[0], "after": os.getloadavg()[0]}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -209,13 +209,14 @@ def test_unsupported_quantization_configs_name_the_field(config: dict, message: 
         get_quantization_config(config, None)
 
 
-def test_only_fp8_quantizes_at_load() -> None:
+def test_only_fp8_and_int8_quantize_at_load() -> None:
     assert get_quantization_config(None, None) is None
-    with pytest.raises(ValueError, match="only 'fp8' quantizes at load"):
+    assert get_quantization_config(None, "int8").name == "int8"
+    with pytest.raises(ValueError, match="only 'fp8' and 'int8' quantize at load"):
         get_quantization_config(None, "awq")
 
 
-@pytest.mark.parametrize("mode", ["fp8", "gptq"])
+@pytest.mark.parametrize("mode", ["fp8", "int8", "gptq"])
 def test_an_engine_runs_dummy_quantized_weights(mode: str, tmp_path: Path) -> None:
     """bench/quant.py's set-up on a tiny shape: dummy weights, quantized at load or packed."""
     from asyncllm import LLM, SamplingParams
@@ -228,7 +229,7 @@ def test_an_engine_runs_dummy_quantized_weights(mode: str, tmp_path: Path) -> No
         model=str(tmp_path),
         load_format="dummy",
         device="cpu",
-        quantization="fp8" if mode == "fp8" else None,
+        quantization=None if mode == "gptq" else mode,
     )
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     [out] = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)

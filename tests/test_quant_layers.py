@@ -14,6 +14,7 @@ import torch
 from asyncllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
 from asyncllm.layers.quantization import get_quantization_config
 from asyncllm.layers.quantization.awq import AWQConfig
+from asyncllm.layers.quantization.cpu_int8 import check_supported
 from asyncllm.layers.quantization.fp8 import FP8, Fp8Config
 from asyncllm.layers.quantization.gptq import GPTQConfig
 from asyncllm.layers.quantization.int4 import pack_int4, unpack_int4
@@ -320,3 +321,67 @@ def test_cuda_fp8_and_int4_layers_equal_their_dequantized_weights(rows: int) -> 
 
 def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
+
+
+def int8_layer(w: torch.Tensor, bias: torch.Tensor | None = None) -> ColumnParallelLinear:
+    """A merged layer of SHARDS with --quantization int8, loaded with W [out, in] (and bias)."""
+    layer = make_layer(
+        get_quantization_config(None, "int8"),
+        w.shape[1],
+        list(SHARDS.values()),
+        bias=bias is not None,
+    )
+    tensors = {"weight": split_out(w, 0)}
+    if bias is not None:
+        tensors["bias"] = split_out(bias, 0)
+    load_shards(layer, tensors)
+    return layer
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    return (w / scale).round(), scale
+
+
+def test_int8_at_load_stores_each_output_channel_rounded_to_its_scale() -> None:
+    torch.manual_seed(6)
+    w = torch.randn(sum(SHARDS.values()), 64)
+    packed, _ = int8_layer(w).int8_packed.unpack()
+    q, scale = int8_per_channel(w)
+    assert torch.equal(packed.int_repr().float(), q)
+    torch.testing.assert_close(packed.q_per_channel_scales().float(), scale.view(-1))
+
+
+def test_int8_linear_is_exact_on_the_activation_grid() -> None:
+    """Rows of integers 0..127, each reaching 127: fbgemm's 7-bit activation grid holds them
+    exactly, so only the weights' rounding is left."""
+    torch.manual_seed(7)
+    w, bias = torch.randn(sum(SHARDS.values()), 64), torch.randn(sum(SHARDS.values()))
+    x = torch.randint(0, 128, (5, 64)).float()
+    x[:, 0], x[:, 1] = 0, 127
+    q, scale = int8_per_channel(w)
+    expected = x @ (q * scale).t() + bias
+    torch.testing.assert_close(int8_layer(w, bias)(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_linear_stays_within_the_activations_rounding() -> None:
+    """Each row's error under half its activation step times the row of |dequantized W|; one
+    row 100x the others does not widen the others' steps (each row is scaled to one max)."""
+    torch.manual_seed(8)
+    w = torch.randn(sum(SHARDS.values()), 96)
+    x = torch.randn(7, 96)
+    x[3] *= 100
+    q, scale = int8_per_channel(w)
+    dequantized = q * scale
+    normalized = x / x.abs().amax(dim=1, keepdim=True)
+    span = normalized.amax().clamp(min=0) - normalized.amin().clamp(max=0)
+    step = span / 127 * x.abs().amax(dim=1, keepdim=True)
+    bound = 0.5 * step * dequantized.abs().sum(dim=1)
+    error = (int8_layer(w)(x) - x @ dequantized.t()).abs()
+    assert (error <= 1.01 * bound + 1e-4).all()
+    assert error.max() > 0  # the activations were rounded: the bound is what is tested
+
+
+def test_int8_is_refused_off_cpu() -> None:
+    with pytest.raises(ValueError, match="--quantization fp8"):
+        check_supported(torch.device("cuda"))

@@ -71,3 +71,33 @@ def test_two_ranks_compute_the_whole_layer(kind: str, config: str, monkeypatch) 
         out = sum(part(chunk) for part, chunk in zip(parts, x.chunk(RANKS, dim=-1)))
     expected = whole(x)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@torch.inference_mode()
+def test_int8_at_load_splits_like_any_linear(kind: str, monkeypatch) -> None:
+    """--quantization int8 on two ranks: each rank quantizes its shard at load. Column-parallel
+    ranks hold whole output channels (the same scales) and see the same rows: the whole layer's
+    output. Row-parallel ranks scale their half of each channel and of each row on their own:
+    a different rounding, as close to the float layer as the whole layer's."""
+    quant_config = get_quantization_config(None, "int8")
+
+    def make(rank: int, size: int) -> linear.LinearBase:
+        monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: rank)
+        monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: size)
+        if kind == "column":
+            return linear.ColumnParallelLinear(K, N, True, False, quant_config, "column_proj")
+        return linear.RowParallelLinear(K, N, True, True, False, quant_config, "row_proj")
+
+    whole = make(0, 1)
+    tensors = checkpoint(whole)
+    loaded(whole, tensors)
+    parts = [loaded(make(r, RANKS), tensors) for r in range(RANKS)]
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    if kind == "column":
+        out = torch.cat([part(x) for part in parts], dim=-1)
+        torch.testing.assert_close(out, whole(x), rtol=1e-5, atol=1e-5)
+        return
+    out = sum(part(chunk) for part, chunk in zip(parts, x.chunk(RANKS, dim=-1)))
+    exact = x @ tensors["weight"].t() + tensors["bias"]
+    assert (out - exact).abs().max() <= 2 * (whole(x) - exact).abs().max()

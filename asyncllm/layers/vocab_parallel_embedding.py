@@ -19,7 +19,13 @@ from asyncllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
-from asyncllm.layers.linear import LoadedWeight, copy_weight, loaded_shape, read_range
+from asyncllm.layers.linear import (
+    LoadedWeight,
+    QuantizationConfig,
+    copy_weight,
+    loaded_shape,
+    read_range,
+)
 from asyncllm.layers.quantization.base import UnquantizedLinearMethod
 
 
@@ -67,14 +73,21 @@ class VocabParallelEmbedding(_VocabShard):
 
 class ParallelLMHead(_VocabShard):
     """hidden -> logits over the whole vocabulary; the GEMM is an unquantized linear method's
-    (oneDNN-packed on CPU)."""
+    (oneDNN-packed on CPU) unless quant_config quantizes the lm_head (--quantization int8)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__(num_embeddings, embedding_dim, prefix)
         self.input_size_per_partition = embedding_dim
         self.output_size_per_partition = self.rows_per_rank
         self.rank_bias = None
-        self.quant_method = UnquantizedLinearMethod()
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method = method or UnquantizedLinearMethod()
         self.quant_method.create_weights(
             self,
             embedding_dim,

@@ -239,7 +239,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix="lm_head", quant_config=quant_config
+        )
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.embed_tokens)
 

@@ -8,11 +8,16 @@ from typing import Any
 from asyncllm.layers.quantization.awq import AWQConfig
 from asyncllm.layers.quantization.base_config import QuantizationConfig
 from asyncllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from asyncllm.layers.quantization.cpu_int8 import Int8Config
 from asyncllm.layers.quantization.fp8 import Fp8Config
 from asyncllm.layers.quantization.gptq import GPTQConfig
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     c.name: c for c in (Fp8Config, AWQConfig, GPTQConfig, CompressedTensorsConfig)
+}
+# --quantization methods that quantize an unquantized checkpoint's weights as it loads
+AT_LOAD_METHODS: dict[str, type[Fp8Config | Int8Config]] = {
+    c.name: c for c in (Fp8Config, Int8Config)
 }
 
 
@@ -20,15 +25,17 @@ def get_quantization_config(
     checkpoint_config: dict[str, Any] | None, quantization: str | None
 ) -> QuantizationConfig | None:
     """The checkpoint's quantization_config (config.json) when it has one, checked against
-    --quantization; else --quantization fp8 quantizes a 16-bit checkpoint at load; else None."""
+    --quantization; else --quantization fp8 or int8 quantizes a 16-bit checkpoint at load; else
+    None."""
     if checkpoint_config is None:
         if quantization is None:
             return None
-        if quantization != "fp8":
+        if quantization not in AT_LOAD_METHODS:
             raise ValueError(
-                f"quantization {quantization!r} needs a checkpoint quantized that way; only 'fp8' quantizes at load"
+                f"quantization {quantization!r} needs a checkpoint quantized that way; only "
+                f"{' and '.join(map(repr, AT_LOAD_METHODS))} quantize at load"
             )
-        return Fp8Config.at_load()
+        return AT_LOAD_METHODS[quantization].at_load()
     if not isinstance(checkpoint_config, dict):
         raise ValueError("quantization_config must be a JSON object")
     method = checkpoint_config.get("quant_method")
@@ -46,4 +53,9 @@ def get_quantization_config(
     return QUANTIZATION_METHODS[method].from_config(checkpoint_config)
 
 
-__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config"]
+__all__ = [
+    "AT_LOAD_METHODS",
+    "QUANTIZATION_METHODS",
+    "QuantizationConfig",
+    "get_quantization_config",
+]

@@ -1,7 +1,7 @@
 """The linear methods: a layer's weight storage and GEMM, swapped by quantization while the
 layers and the model code stay as they are (vLLM's LinearMethodBase). The quantized methods
-(fp8, awq, gptq, compressed_tensors) implement the same three steps: create the parameters the
-checkpoint fills, repack them once loaded, run the GEMM.
+(fp8, awq, gptq, compressed_tensors, cpu_int8) implement the same three steps: create the
+parameters the checkpoint fills, repack them once loaded, run the GEMM.
 
 The unquantized method keeps the two fast paths of full-precision weights: batch-1 decode on
 CUDA goes through kernels.gemv, and fp32 weights on CPU are stored in oneDNN's own layout.
