@@ -30,10 +30,8 @@ serve: install
 chat: install
 	$(PY) -m asyncllm.cli chat
 
-# two workers, each test file whole on one (its module fixtures, e.g. a server, start once):
-# much of the suite waits on servers and subprocesses, so two run in about the time of one
 test: model
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
