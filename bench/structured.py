@@ -34,6 +34,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,21 +160,34 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     from asyncllm.structured_output.matchers import GrammarMatchers
 
     core = llm.core_client.core
-    fill_ms: list[float] = []
-    wait_ms: list[float] = []
-    real_fill, real_bitmask = GrammarMatchers._fill_host, GrammarMatchers.bitmask
+    # per step, the ms in each: the whole fill on its thread, its wait for the step before's
+    # sampled ids, xgrammar's batched fills, and the runner's wait for the fill
+    timed_methods = ("_fill_host", "_take_sampled", "_fill_batched", "bitmask")
+    real = {name: getattr(GrammarMatchers, name) for name in timed_methods}
+    spent: dict[str, list[float]] = {name: [] for name in timed_methods}
 
-    def timed(real, times):
+    def timed(name):
         def call(*args):
             start = time.perf_counter()
-            out = real(*args)
-            times.append((time.perf_counter() - start) * 1e3)
+            out = real[name](*args)
+            spent[name].append((time.perf_counter() - start) * 1e3)
             return out
 
         return call
 
-    GrammarMatchers._fill_host = timed(real_fill, fill_ms)
-    GrammarMatchers.bitmask = timed(real_bitmask, wait_ms)
+    for name in timed_methods:
+        setattr(GrammarMatchers, name, timed(name))
+    # of the fill thread's wait for the sampled ids, the part spent waiting for the device
+    real_synchronize = torch.cuda.Event.synchronize
+    spent["device_wait"] = []
+
+    def synchronize(event):
+        start = time.perf_counter()
+        real_synchronize(event)
+        if threading.current_thread().name.startswith("grammar-fill"):
+            spent["device_wait"].append((time.perf_counter() - start) * 1e3)
+
+    torch.cuda.Event.synchronize = synchronize
     schemas = [StructuredOutputsParams(json=schema(i, 20)) for i in range(batch)]
     if constrained:  # compiled ahead, so that every request is admitted at once
         concurrent.futures.wait([core.grammar_compiler.submit(p) for p in schemas])
@@ -190,7 +204,8 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         prompt = [rng.randrange(100, tokenizer_size) for _ in range(prompt_len)]
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": prompt}, params)
         llm.add_request(request, None)
-    step_ms, fill_in_step_ms, wait_in_step_ms = [], [], []
+    step_ms: list[float] = []
+    in_step: dict[str, list[float]] = {name: [] for name in spent}
     has_work = True
     sync()
     last = time.perf_counter()
@@ -198,28 +213,33 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         running = core.scheduler.running
         decoding = core.scheduler.num_running == batch
         decoding = decoding and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
-        fill_ms.clear()
-        wait_ms.clear()
+        for times in spent.values():
+            times.clear()
         step = llm.core_client.get_output()
         has_work = step.has_work
         llm.process_step(step)
         now = time.perf_counter()
         if decoding:
             step_ms.append((now - last) * 1e3)
-            fill_in_step_ms.append(sum(fill_ms))
-            wait_in_step_ms.append(sum(wait_ms))
+            for name, times in spent.items():
+                in_step[name].append(sum(times))
         last = now
     warm = len(step_ms) // 4
     matchers = core.executor.model_runner.grammar_matchers
     result = {
         "steps_timed": len(step_ms) - warm,
         "step_ms": statistics.median(step_ms[warm:]),
-        "bitmask_fill_ms": statistics.median(fill_in_step_ms[warm:]),
-        "bitmask_wait_ms": statistics.median(wait_in_step_ms[warm:]),
+        "bitmask_fill_ms": statistics.median(in_step["_fill_host"][warm:]),
+        "sampled_ids_wait_ms": statistics.median(in_step["_take_sampled"][warm:]),
+        "device_wait_ms": statistics.median(in_step["device_wait"][warm:]),
+        "xgrammar_fill_ms": statistics.median(in_step["_fill_batched"][warm:]),
+        "bitmask_wait_ms": statistics.median(in_step["bitmask"][warm:]),
         "fill_threads": matchers.num_threads if matchers is not None else 0,
         "cores_usable": len(os.sched_getaffinity(0)),
     }
-    GrammarMatchers._fill_host, GrammarMatchers.bitmask = real_fill, real_bitmask
+    for name in timed_methods:
+        setattr(GrammarMatchers, name, real[name])
+    torch.cuda.Event.synchronize = real_synchronize
     llm.core_client.shutdown()
     return result
 

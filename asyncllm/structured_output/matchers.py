@@ -22,7 +22,7 @@ import xgrammar as xgr
 
 from asyncllm.sample.grammar_mask import TokenBitmask
 from asyncllm.sampling_params import ReasoningMarkers
-from asyncllm.structured_output.state import GrammarState
+from asyncllm.structured_output.state import GrammarState, accept_in_batch
 
 # xgrammar's "auto" takes half of std::thread::hardware_concurrency(), the host's cores rather
 # than those this process may use; past 8 threads a 256-row fill gains little and takes cores
@@ -218,13 +218,15 @@ class GrammarMatchers:
             sampled.done.synchronize()
         token_ids = sampled.token_ids.tolist()
         accepted = None if sampled.num_accepted is None else sampled.num_accepted.tolist()
+        moves = []
         for request_id, position, row in zip(
             sampled.request_ids, sampled.positions, sampled.sampling_rows
         ):
             tracked = self._tracked.get(request_id)
             if tracked is not None:
                 num_taken = 1 + (0 if accepted is None else accepted[row])
-                tracked.accept_all(token_ids[position : position + num_taken])
+                moves.append((tracked, token_ids[position : position + num_taken]))
+        accept_in_batch(moves)
 
     def _tracked_for(self, row: ConstrainedRow) -> GrammarState:
         """The row's matcher at the row's output length; a request without one, or whose matcher
