@@ -14,7 +14,7 @@ bench/moe.py measured it before (`before`, from moe_kernels_deepseek-v2-lite_h20
 run, one cache, so partly from L2). At batch one, `launch_floor` is the table's config over
 empty contexts: the two launches and the merge, no latents. Last it prints the CONFIG_TABLE of
 the best configs, to paste over the one in kernels/mla_decode.py. About 2 minutes, most of it
-compiling (ten kernel variants).
+compiling (a dozen kernel variants).
 """
 
 from __future__ import annotations
@@ -46,16 +46,20 @@ from kernels.mla_decode import (  # noqa: E402
 )
 
 CASES = [(1, 4096), (8, 4096), (32, 2048), (64, 1024), (128, 1024), (256, 512)]
-# (tile_n, num_warps, num_stages, tokens_major): the old tile first; heads-major (mma.sync)
-# with fewer warps or tokens, tokens-major in 64-token tiles (wgmma: M = 64)
-TILES = [
-    (32, 8, 3, False),
-    (16, 4, 3, False),
-    (32, 4, 4, False),
-    (64, 4, 2, True),
-    (64, 8, 2, True),
+# (tile_n, num_warps, num_stages, tokens_major, programs_per_sm), the old tile first. Shared
+# memory a program at these widths (Triton 3.9 for sm_90, the latents' tiles num_stages - 1
+# deep): 93, 74, 130 and 168 KB heads-major (mma.sync), 168 KB tokens-major (wgmma, M = 64;
+# three stages would take 242 KB). Two programs a SM only where two fit.
+GRID = [
+    (32, 8, 3, False, 1),
+    (32, 8, 3, False, 2),
+    (16, 4, 4, False, 1),
+    (16, 4, 4, False, 2),
+    (32, 8, 4, False, 1),
+    (64, 8, 3, False, 1),
+    (64, 4, 2, True, 1),
+    (64, 8, 2, True, 1),
 ]
-PROGRAMS_PER_SM = (1, 2)
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 ROTATE_BYTES = 200 << 20  # four times the H200's 50 MB L2
@@ -125,10 +129,10 @@ def candidates(case: Case, device: torch.device) -> list[tuple[str, MLADecodeCon
     capacity = case.context  # the block table's width x the block size
     table = mla_decode_config(case.batch, DTYPE)
     named = [("table", table, choose_mla_splits(case.batch, 1, capacity, table, device))]
-    old = MLADecodeConfig(*TILES[0], 1)
+    old = MLADecodeConfig(*GRID[0])
     named.append(("old_rule", old, old_rule_splits(case.batch, capacity, device)))
-    for tile, programs in itertools.product(TILES, PROGRAMS_PER_SM):
-        config = MLADecodeConfig(*tile, programs)
+    for fields in GRID:
+        config = MLADecodeConfig(*fields)
         named.append(("grid", config, choose_mla_splits(case.batch, 1, capacity, config, device)))
     seen, unique = set(), []
     for label, config, splits in named:

@@ -100,33 +100,32 @@ def _split_chunk(length, num_splits, TILE_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_slots(table_ptr, pos0, end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The cache rows of the TILE_N tokens from pos0 (row 0 past end)."""
+    pos = pos0 + tl.arange(0, TILE_N)
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos < end, other=0)
+    return block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
 def _latent_tile(
     cache_ptr,
-    table_ptr,
-    pos0,
-    end,
+    slots,
+    pos_mask,
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
 ):
-    """TILE_N cached tokens from pos0: latents [TILE_N, BLOCK_L], rope keys [TILE_N, BLOCK_R]
-    and which positions are before end."""
-    pos = pos0 + tl.arange(0, TILE_N)
-    pos_mask = pos < end
+    """The latents [TILE_N, BLOCK_L] and rope keys [TILE_N, BLOCK_R] of a tile's cache rows."""
     lat = tl.arange(0, BLOCK_L)
     rope = tl.arange(0, BLOCK_R)
-    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0)
-    entry = cache_ptr + (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * (
-        RANK + ROPE
-    )
+    entry = cache_ptr + slots[:, None] * (RANK + ROPE)
     c = tl.load(entry + lat[None, :], mask=pos_mask[:, None] & (lat < RANK)[None, :], other=0.0)
     pe = tl.load(
         entry + RANK + rope[None, :], mask=pos_mask[:, None] & (rope < ROPE)[None, :], other=0.0
     )
-    return c, pe, pos_mask
+    return c, pe
 
 
 @triton.jit
@@ -201,10 +200,13 @@ def _mla_decode_kernel(
     else:  # scores [BLOCK_H, TILE_N], accumulator [BLOCK_H, BLOCK_L]
         HEAD_AXIS: tl.constexpr = 0
         acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    slots = _tile_slots(table_ptr, start, end, BLOCK_SIZE, TILE_N)
     for pos0 in range(start, end, TILE_N):
-        c, pe, pos_mask = _latent_tile(
-            cache_ptr, table_ptr, pos0, end, RANK, ROPE, BLOCK_L, BLOCK_R, BLOCK_SIZE, TILE_N
-        )
+        pos_mask = pos0 + tl.arange(0, TILE_N) < end
+        c, pe = _latent_tile(cache_ptr, slots, pos_mask, RANK, ROPE, BLOCK_L, BLOCK_R)
+        # the next tile's rows a step ahead: the latents' loads then wait on no load of their
+        # own step, so the pipeliner issues them num_stages - 1 steps ahead, not one
+        slots = _tile_slots(table_ptr, pos0 + TILE_N, end, BLOCK_SIZE, TILE_N)
         if TOKENS_MAJOR:
             scores = tl.dot(c, q_lat, input_precision=PRECISION)
             scores = tl.dot(pe, q_pe, scores, input_precision=PRECISION)
