@@ -131,11 +131,10 @@ def _latent_tile(
 @triton.jit
 def _softmax_step(scores, m, total, HEAD_AXIS: tl.constexpr):
     """One tile's scores (log2 units) into the running max and sum: (p, max, rescale, sum)."""
-    token_axis: tl.constexpr = 1 - HEAD_AXIS
-    m_new = tl.maximum(m, tl.max(scores, token_axis))
-    p = tl.exp2(scores - tl.expand_dims(m_new, token_axis))
+    m_new = tl.maximum(m, tl.max(scores, 1 - HEAD_AXIS))
+    p = tl.exp2(scores - tl.expand_dims(m_new, 1 - HEAD_AXIS))
     alpha = tl.exp2(m - m_new)
-    return p, m_new, alpha, total * alpha + tl.sum(p, token_axis)
+    return p, m_new, alpha, total * alpha + tl.sum(p, 1 - HEAD_AXIS)
 
 
 @triton.jit
@@ -160,7 +159,7 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    TOKENS_MAJOR: tl.constexpr,
+    HEAD_AXIS: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -174,8 +173,9 @@ def _mla_decode_kernel(
     length = tl.load(length_ptr + row)
     chunk = _split_chunk(length, num_splits, TILE_N)
     start = split * chunk
-    if SPLIT and start >= length:  # an empty split: the merge skips it, from the same lengths
-        return
+    if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if start >= length:  # an empty split: the merge skips it, from the same lengths
+            return
     end = tl.minimum(start + chunk, length)
     request = tl.load(request_ptr + row).to(tl.int64)
     table_ptr = block_tables_ptr + request * block_table_stride
@@ -192,13 +192,11 @@ def _mla_decode_kernel(
     )
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    if TOKENS_MAJOR:  # scores [TILE_N, BLOCK_H], accumulator [BLOCK_L, BLOCK_H]
-        HEAD_AXIS: tl.constexpr = 1
+    if HEAD_AXIS == 1:  # scores [TILE_N, BLOCK_H], accumulator [BLOCK_L, BLOCK_H]
         q_lat = tl.trans(q_lat)
         q_pe = tl.trans(q_pe)
         acc = tl.zeros((BLOCK_L, BLOCK_H), dtype=tl.float32)
     else:  # scores [BLOCK_H, TILE_N], accumulator [BLOCK_H, BLOCK_L]
-        HEAD_AXIS: tl.constexpr = 0
         acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
     slots = _tile_slots(table_ptr, start, end, BLOCK_SIZE, TILE_N)
     for pos0 in range(start, end, TILE_N):
@@ -207,7 +205,7 @@ def _mla_decode_kernel(
         # the next tile's rows a step ahead: the latents' loads then wait on no load of their
         # own step, so the pipeliner issues them num_stages - 1 steps ahead, not one
         slots = _tile_slots(table_ptr, pos0 + TILE_N, end, BLOCK_SIZE, TILE_N)
-        if TOKENS_MAJOR:
+        if HEAD_AXIS == 1:
             scores = tl.dot(c, q_lat, input_precision=PRECISION)
             scores = tl.dot(pe, q_pe, scores, input_precision=PRECISION)
         else:
@@ -215,13 +213,13 @@ def _mla_decode_kernel(
             scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=PRECISION)
         scores = tl.where(tl.expand_dims(pos_mask, HEAD_AXIS), scores * scale_log2, float("-inf"))
         p, m, alpha, total = _softmax_step(scores, m, total, HEAD_AXIS)
-        if TOKENS_MAJOR:
+        if HEAD_AXIS == 1:
             acc = tl.dot(
                 tl.trans(c), p.to(c.dtype), acc * alpha[None, :], input_precision=PRECISION
             )
         else:
             acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-    if TOKENS_MAJOR:
+    if HEAD_AXIS == 1:
         acc = tl.trans(acc)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_mask = head_mask[:, None] & (lat < RANK)[None, :]
@@ -347,7 +345,7 @@ def paged_mla_decode(
         BLOCK_R=max(16, next_pow2(rope)),
         BLOCK_SIZE=block_size,
         TILE_N=config.tile_n,
-        TOKENS_MAJOR=config.tokens_major,
+        HEAD_AXIS=1 if config.tokens_major else 0,
         SPLIT=split,
         PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps,
