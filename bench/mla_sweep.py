@@ -49,12 +49,13 @@ CASES = [(1, 4096), (8, 4096), (32, 2048), (64, 1024), (128, 1024), (256, 512)]
 # (tile_n, num_warps, num_stages, tokens_major, programs_per_sm), the old tile first. Shared
 # memory a program at these widths (Triton 3.9 for sm_90, the latents' tiles num_stages - 1
 # deep): 93, 74, 130 and 168 KB heads-major (mma.sync), 168 KB tokens-major (wgmma, M = 64;
-# three stages would take 242 KB). Two programs a SM only where two fit.
+# three stages would take 242 KB). More programs a SM only where they fit.
 GRID = [
     (32, 8, 3, False, 1),
     (32, 8, 3, False, 2),
     (16, 4, 4, False, 1),
     (16, 4, 4, False, 2),
+    (16, 4, 4, False, 3),
     (32, 8, 4, False, 1),
     (64, 8, 3, False, 1),
     (64, 4, 2, True, 1),
