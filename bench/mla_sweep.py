@@ -48,14 +48,16 @@ from kernels.mla_decode import (  # noqa: E402
 CASES = [(1, 4096), (8, 4096), (32, 2048), (64, 1024), (128, 1024), (256, 512)]
 # (tile_n, num_warps, num_stages, tokens_major, programs_per_sm), the old tile first. Shared
 # memory a program at these widths (Triton 3.9 for sm_90, the latents' tiles num_stages - 1
-# deep): 93, 74, 130 and 168 KB heads-major (mma.sync), 168 KB tokens-major (wgmma, M = 64;
-# three stages would take 242 KB). More programs a SM only where they fit.
+# deep): 93 KB (32 tokens, 3 stages), 74, 130 and 168 KB heads-major (mma.sync; 8 warps on a
+# [16 heads, 32 tokens] score tile compute it twice, 4 warps once), 168 KB tokens-major (wgmma,
+# M = 64; three stages would take 242 KB). More programs a SM only where they fit.
 GRID = [
     (32, 8, 3, False, 1),
     (32, 8, 3, False, 2),
     (16, 4, 4, False, 1),
     (16, 4, 4, False, 2),
     (16, 4, 4, False, 3),
+    (32, 4, 3, False, 2),
     (32, 8, 4, False, 1),
     (64, 8, 3, False, 1),
     (64, 4, 2, True, 1),
