@@ -4,22 +4,67 @@ latent per cached token (DeepSeek-V2's compressed KV cache), optionally split ov
 Cache: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]; a token's entry is its latent
 (which is also its value) followed by its rope key. One program takes BLOCK_H heads of a row
 and one split of its context, so each latent tile is read once for all those heads.
+
+Why the layout is a choice (MLADecodeConfig.tokens_major): with 16 heads, scores as [heads,
+tokens] put M = 16 on the matrix units, below the 64 of Hopper's wgmma, so Triton falls back to
+mma.sync, which keeps the whole [16, rank] query in every warp's registers (128 a thread at rank
+512, beside the fp32 accumulator). As [tokens, heads] the tile's tokens are M (64 or more) and
+the heads N, so wgmma applies and reads both the latent tile and the query from shared memory.
+Splits write their output normalised, in the query's dtype, beside its log-sum-exp: half the
+bytes of fp32 partials (at 16 heads and rank 512 a split's partial is 16 KB, the latents of 14
+tokens, written once and read once by the merge).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels._common import dot_precision, next_pow2, num_sms, uses_pdl
-from kernels.decode_attention import _decode_reduce_kernel
 
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 32
-# a split reads at least this many tokens: fewer and its fp32 partial output (4 bytes x heads x
-# rank) outweighs the bf16 latents it read (2 x (rank + rope) per token)
-MIN_TOKENS_PER_SPLIT = 128
+# the merge holds a split per row of its tile: 128 splits of 32 tokens cover a 4,096-token
+# context at batch one with a program per SM
+MAX_SPLITS = 128
+# elements of the merge's [splits, rank chunk] tile: 32 a thread at 4 warps
+_MERGE_TILE = 4096
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch shape of the paged MLA decode kernel."""
+
+    tile_n: int  # cached tokens a loop step reads
+    num_warps: int
+    num_stages: int
+    tokens_major: bool  # scores as [tokens, heads]: tile_n is M (see the module's docstring)
+    programs_per_sm: int  # split each context until the launch has this many programs per SM
+
+
+# steps of at most `rows` rows -> (tile_n, num_warps, num_stages, tokens_major, programs_per_sm),
+# bf16/fp16 at DeepSeek's widths (rank 512 + rope 64); the last row holds for more rows.
+# bench/mla_sweep.py prints this table from its H200 run.
+CONFIG_TABLE = (
+    (1, 32, 8, 3, False, 1),
+    (8, 32, 8, 3, False, 1),
+    (32, 32, 8, 3, False, 1),
+    (64, 32, 8, 3, False, 1),
+    (128, 32, 8, 3, False, 1),
+    (256, 32, 8, 3, False, 1),
+)
+# fp32 (tests, the reference checks): 16-token tiles keep three stages in shared memory
+FP32_CONFIG = MLADecodeConfig(16, 8, 3, False, 1)
+
+
+def mla_decode_config(num_rows: int, dtype: torch.dtype) -> MLADecodeConfig:
+    """The table's config for a step of num_rows rows."""
+    if dtype == torch.float32:
+        return FP32_CONFIG
+    entry = next((e for e in CONFIG_TABLE if num_rows <= e[0]), CONFIG_TABLE[-1])
+    return MLADecodeConfig(*entry[1:])
 
 
 @triton.jit
@@ -49,6 +94,50 @@ def write_latent_cache(
 
 
 @triton.jit
+def _split_chunk(length, num_splits, TILE_N: tl.constexpr):
+    """Tokens per split of a row's context, whole tiles: splits past the context are empty."""
+    return tl.cdiv(tl.cdiv(length, num_splits), TILE_N) * TILE_N
+
+
+@triton.jit
+def _tile_slots(table_ptr, pos0, end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The cache rows of the TILE_N tokens from pos0 (row 0 past end)."""
+    pos = pos0 + tl.arange(0, TILE_N)
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos < end, other=0)
+    return block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
+def _latent_tile(
+    cache_ptr,
+    slots,
+    pos_mask,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The latents [TILE_N, BLOCK_L] and rope keys [TILE_N, BLOCK_R] of a tile's cache rows."""
+    lat = tl.arange(0, BLOCK_L)
+    rope = tl.arange(0, BLOCK_R)
+    entry = cache_ptr + slots[:, None] * (RANK + ROPE)
+    c = tl.load(entry + lat[None, :], mask=pos_mask[:, None] & (lat < RANK)[None, :], other=0.0)
+    pe = tl.load(
+        entry + RANK + rope[None, :], mask=pos_mask[:, None] & (rope < ROPE)[None, :], other=0.0
+    )
+    return c, pe
+
+
+@triton.jit
+def _softmax_step(scores, m, total, HEAD_AXIS: tl.constexpr):
+    """One tile's scores (log2 units) into the running max and sum: (p, max, rescale, sum)."""
+    m_new = tl.maximum(m, tl.max(scores, 1 - HEAD_AXIS))
+    p = tl.exp2(scores - tl.expand_dims(m_new, 1 - HEAD_AXIS))
+    alpha = tl.exp2(m - m_new)
+    return p, m_new, alpha, total * alpha + tl.sum(p, 1 - HEAD_AXIS)
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr,
     cache_ptr,
@@ -57,8 +146,7 @@ def _mla_decode_kernel(
     length_ptr,
     out_ptr,
     part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
+    part_lse_ptr,
     scale_log2,
     q_stride_t,
     q_stride_h,
@@ -71,17 +159,26 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    HEAD_AXIS: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """BLOCK_H heads over one split: with SPLIT, the unnormalised output, running max (log2
-    units) and sum, for the merge; else (one split) the output itself [T, H, RANK]."""
+    """BLOCK_H heads over one split: with SPLIT, the split's normalised output and its
+    log-sum-exp (log2 units) for the merge, nothing for an empty split; else (one split) the
+    output itself [T, H, RANK]."""
     row = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    request = tl.load(request_ptr + row).to(tl.int64)
     length = tl.load(length_ptr + row)
+    chunk = _split_chunk(length, num_splits, TILE_N)
+    start = split * chunk
+    if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if start >= length:  # an empty split: the merge skips it, from the same lengths
+            return
+    end = tl.minimum(start + chunk, length)
+    request = tl.load(request_ptr + row).to(tl.int64)
+    table_ptr = block_tables_ptr + request * block_table_stride
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < NUM_HEADS
     lat = tl.arange(0, BLOCK_L)
@@ -93,60 +190,105 @@ def _mla_decode_kernel(
     q_pe = tl.load(
         q_rows + RANK + rope[None, :], mask=head_mask[:, None] & (rope < ROPE)[None, :], other=0.0
     )
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), TILE_N) * TILE_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, length)
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    if HEAD_AXIS == 1:  # scores [TILE_N, BLOCK_H], accumulator [BLOCK_L, BLOCK_H]
+        q_lat = tl.trans(q_lat)
+        q_pe = tl.trans(q_pe)
+        acc = tl.zeros((BLOCK_L, BLOCK_H), dtype=tl.float32)
+    else:  # scores [BLOCK_H, TILE_N], accumulator [BLOCK_H, BLOCK_L]
+        acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    slots = _tile_slots(table_ptr, start, end, BLOCK_SIZE, TILE_N)
     for pos0 in range(start, end, TILE_N):
-        pos = pos0 + tl.arange(0, TILE_N)
-        pos_mask = pos < end
-        block = tl.load(
-            block_tables_ptr + request * block_table_stride + pos // BLOCK_SIZE,
-            mask=pos_mask,
-            other=0,
-        )
-        entry = cache_ptr + (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * (
-            RANK + ROPE
-        )
-        c = tl.load(entry + lat[None, :], mask=pos_mask[:, None] & (lat < RANK)[None, :], other=0.0)
-        pe = tl.load(
-            entry + RANK + rope[None, :], mask=pos_mask[:, None] & (rope < ROPE)[None, :], other=0.0
-        )
-        scores = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-        scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=PRECISION) * scale_log2
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        total = total * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-        m = m_new
+        pos_mask = pos0 + tl.arange(0, TILE_N) < end
+        c, pe = _latent_tile(cache_ptr, slots, pos_mask, RANK, ROPE, BLOCK_L, BLOCK_R)
+        # the next tile's rows a step ahead: the latents' loads then wait on no load of their
+        # own step, so the pipeliner issues them num_stages - 1 steps ahead, not one
+        slots = _tile_slots(table_ptr, pos0 + TILE_N, end, BLOCK_SIZE, TILE_N)
+        if HEAD_AXIS == 1:
+            scores = tl.dot(c, q_lat, input_precision=PRECISION)
+            scores = tl.dot(pe, q_pe, scores, input_precision=PRECISION)
+        else:
+            scores = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+            scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=PRECISION)
+        scores = tl.where(tl.expand_dims(pos_mask, HEAD_AXIS), scores * scale_log2, float("-inf"))
+        p, m, alpha, total = _softmax_step(scores, m, total, HEAD_AXIS)
+        if HEAD_AXIS == 1:
+            acc = tl.dot(
+                tl.trans(c), p.to(c.dtype), acc * alpha[None, :], input_precision=PRECISION
+            )
+        else:
+            acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
+    if HEAD_AXIS == 1:
+        acc = tl.trans(acc)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_mask = head_mask[:, None] & (lat < RANK)[None, :]
     if SPLIT:
         part = (row * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_max_ptr + part, m, mask=head_mask)
-        tl.store(part_sum_ptr + part, total, mask=head_mask)
-        tl.store(part_out_ptr + part[:, None] * RANK + lat[None, :], acc, mask=out_mask)
+        tl.store(part_lse_ptr + part, m + tl.log2(total), mask=head_mask)
+        part_out = part_out_ptr + part[:, None] * RANK + lat[None, :]
+        tl.store(part_out, out.to(part_out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        acc = acc / tl.where(total > 0, total, 1.0)[:, None]
-        out = out_ptr + (row * NUM_HEADS + heads)[:, None] * RANK + lat[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out_rows = out_ptr + (row * NUM_HEADS + heads)[:, None] * RANK + lat[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    length_ptr,
+    out_ptr,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    RANK: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One head's BLOCK_D output columns: its splits' normalised outputs weighed by 2^lse."""
+    if USE_PDL:  # launched early: the partial results are the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    length = tl.load(length_ptr + row)
+    live = (s < num_splits) & (s * _split_chunk(length, num_splits, TILE_N) < length)
+    parts = (row * NUM_HEADS + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + parts, mask=live, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    part = tl.load(
+        part_out_ptr + parts[:, None] * RANK + d[None, :],
+        mask=live[:, None] & (d < RANK)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    out = tl.sum(part.to(tl.float32) * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + (row * NUM_HEADS + head) * RANK + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < RANK,
+    )
 
 
 def choose_mla_splits(
-    num_rows: int, num_head_blocks: int, max_length: int, device: torch.device
+    num_rows: int,
+    num_head_blocks: int,
+    capacity: int,
+    config: MLADecodeConfig,
+    device: torch.device,
 ) -> int:
-    """Enough splits of each context to give every SM four programs (flash-decoding: a batch
-    of one would otherwise run on one SM per head block), at most MAX_SPLITS, none shorter than
-    MIN_TOKENS_PER_SPLIT of the block table's capacity; from shapes alone, so a CUDA graph
-    keeps its choice."""
+    """Splits of each context that bring the launch to config.programs_per_sm programs per SM
+    without passing it (a partial last wave would take as long as a full one), at most
+    MAX_SPLITS and none shorter than a tile of the block table's capacity; from shapes alone,
+    so a CUDA graph keeps its choice."""
     programs = max(num_rows * num_head_blocks, 1)
-    if programs >= num_sms(device):  # a wave already: splitting would only add the merge
-        return 1
-    by_occupancy = triton.cdiv(4 * num_sms(device), programs)
-    by_length = triton.cdiv(max_length, MIN_TOKENS_PER_SPLIT)
+    by_occupancy = config.programs_per_sm * num_sms(device) // programs
+    by_length = triton.cdiv(capacity, config.tile_n)
     return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
 
@@ -159,28 +301,29 @@ def paged_mla_decode(
     scale: float,
     kv_lora_rank: int,
     num_splits: int | None = None,
+    config: MLADecodeConfig | None = None,
 ) -> torch.Tensor:
     """query [T, H, rank + rope]; row t attends to the first length[t] cached tokens of request
-    request[t]'s blocks -> [T, H, rank] (zeros where length is 0)."""
+    request[t]'s blocks -> [T, H, rank] (zeros where length is 0). config: the table's
+    (mla_decode_config) unless given; num_splits: chosen from it unless given."""
     num_rows, num_heads, width = query.shape
+    config = config or mla_decode_config(num_rows, query.dtype)
     rope = width - kv_lora_rank
     block_size = kv_cache.shape[2]
     block_h = max(16, min(next_pow2(num_heads), 64))
     head_blocks = triton.cdiv(num_heads, block_h)
     capacity = block_tables.shape[1] * block_size
-    splits = num_splits or choose_mla_splits(num_rows, head_blocks, capacity, query.device)
+    splits = num_splits or choose_mla_splits(num_rows, head_blocks, capacity, config, query.device)
     out = torch.empty(num_rows, num_heads, kv_lora_rank, dtype=query.dtype, device=query.device)
     if not num_rows:
         return out
     split = splits > 1
     if split:
         shape = (num_rows, num_heads, splits)
-        part_out = torch.empty(*shape, kv_lora_rank, dtype=torch.float32, device=query.device)
-        part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
-        part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
+        part_out = torch.empty(*shape, kv_lora_rank, dtype=query.dtype, device=query.device)
+        part_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
     else:
-        part_out = part_max = part_sum = out
-    fp32 = query.dtype == torch.float32
+        part_out = part_lse = out
     _mla_decode_kernel[(num_rows, head_blocks, splits)](
         query,
         kv_cache,
@@ -189,8 +332,7 @@ def paged_mla_decode(
         length,
         out,
         part_out,
-        part_max,
-        part_sum,
+        part_lse,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -202,32 +344,43 @@ def paged_mla_decode(
         BLOCK_L=next_pow2(kv_lora_rank),
         BLOCK_R=max(16, next_pow2(rope)),
         BLOCK_SIZE=block_size,
-        TILE_N=16 if fp32 else 32,
+        TILE_N=config.tile_n,
+        HEAD_AXIS=1 if config.tokens_major else 0,
         SPLIT=split,
         PRECISION=dot_precision(query.dtype),
-        num_warps=4 if kv_lora_rank <= 256 else 8,
-        # three 32-token latent tiles in flight: ~110 KB of shared memory at rank 512
-        num_stages=3,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
-    if not split:
-        return out
-    pdl = uses_pdl(query.device)
-    # one launch merges the splits (the torch merge was a dozen kernels: most of the time at
-    # small batch)
-    _decode_reduce_kernel[(num_rows, num_heads)](
+    if split:
+        _merge_splits(part_out, part_lse, length, out, config.tile_n)
+    return out
+
+
+def _merge_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    length: torch.Tensor,
+    out: torch.Tensor,
+    tile_n: int,
+) -> None:
+    """One launch merges the splits, a program per (row, head, rank chunk): at batch one the
+    chunks give the merge more than the 16 heads' programs."""
+    num_rows, num_heads, splits, rank = part_out.shape
+    block_s = next_pow2(splits)
+    block_d = min(next_pow2(rank), max(16, _MERGE_TILE // block_s))
+    pdl = uses_pdl(out.device)
+    _merge_splits_kernel[(num_rows, num_heads, triton.cdiv(rank, block_d))](
         part_out,
-        part_max,
-        part_sum,
+        part_lse,
+        length,
         out,
         splits,
-        num_heads,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=kv_lora_rank,
-        BLOCK_D=next_pow2(kv_lora_rank),
-        BLOCK_S=next_pow2(splits),
+        NUM_HEADS=num_heads,
+        RANK=rank,
+        TILE_N=tile_n,
+        BLOCK_D=block_d,
+        BLOCK_S=block_s,
         USE_PDL=pdl,
-        num_warps=8,  # a [splits, rank 512] fp32 tile: 64 registers a thread at 32 splits
+        num_warps=4,
         launch_pdl=pdl,
     )
-    return out

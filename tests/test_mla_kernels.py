@@ -11,7 +11,13 @@ from test_model_vs_hf import metadata
 
 import kernels
 from asyncllm.attention.mla import attend_latent_torch, row_contexts, write_latent_cache
-from kernels.mla_decode import choose_mla_splits, paged_mla_decode
+from kernels.mla_decode import (
+    CONFIG_TABLE,
+    MLADecodeConfig,
+    choose_mla_splits,
+    mla_decode_config,
+    paged_mla_decode,
+)
 
 FULL = torch.cuda.is_available()
 DEVICE = "cuda" if FULL else "cpu"
@@ -20,7 +26,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # (heads, kv_lora_rank, rope): heads below the 16-row tile, rank and rope not powers of two
 DIMS = (16, 512, 64) if FULL else (5, 40, 12)
 BLOCK_SIZE = 4
-NUM_BLOCKS = 40
+NUM_BLOCKS = 64
+# None: the table's; both score layouts, tiles of fewer tokens than a block and of many blocks
+CONFIGS = [
+    None,
+    MLADecodeConfig(16, 4, 2, False, 1),
+    MLADecodeConfig(16, 4, 2, True, 1),
+    MLADecodeConfig(64, 4, 2, True, 2),
+]
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -34,21 +47,30 @@ def latent_cache(dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
 
 
-# None: the split count chosen from the shapes; 64: more splits than the contexts have tiles
-@pytest.mark.parametrize("num_splits", [1, 3, 64, None])
+# num_splits None: chosen from the shapes; 64 and 128: more splits than the contexts have tiles
+# (128: the merge takes the rank in two chunks)
+@pytest.mark.parametrize(
+    ("config", "num_splits"),
+    [(config, splits) for config in CONFIGS for splits in (1, 3, None)]
+    + [(CONFIGS[1], 64), (CONFIGS[2], 128)],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mla_decode_matches_torch(dtype: torch.dtype, num_splits: int) -> None:
+def test_mla_decode_matches_torch(
+    dtype: torch.dtype, config: MLADecodeConfig | None, num_splits: int | None
+) -> None:
     heads, rank, rope = DIMS
-    # one position, a part block, more than the kernel's tile, a padding row (length 0)
-    lengths = [1, 3, 37, 0, 21]
+    if FULL and dtype == torch.float32 and config is not None and config.tile_n > 16:
+        pytest.skip("fp32 tiles of 64 tokens at rank 512 outgrow shared memory")
+    # one position, a part block, more than two 16-token tiles and a 64-token one, a padding row
+    lengths = [1, 3, 77, 0, 21]
     tables = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))
-    tables = tables[:30].view(3, 10).to(torch.int32).to(DEVICE)
+    tables = tables[:60].view(3, 20).to(torch.int32).to(DEVICE)
     request = torch.tensor([0, 1, 2, 2, 1], dtype=torch.int32, device=DEVICE)
     length = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     query = torch.randn(len(lengths), heads, rank + rope, device=DEVICE).to(dtype)
     cache = latent_cache(dtype)
     scale = (rank + rope) ** -0.5
-    out = paged_mla_decode(query, cache, tables, request, length, scale, rank, num_splits)
+    out = paged_mla_decode(query, cache, tables, request, length, scale, rank, num_splits, config)
     ref = attend_latent_torch(query, cache, tables, request, length, scale, rank)
     assert out.shape == (len(lengths), heads, rank)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
@@ -73,9 +95,21 @@ def test_row_contexts_are_causal_per_request() -> None:
     assert length.tolist() == [5, 6, 7, 10, 0, 0]
 
 
-def test_splits_fill_the_gpu_at_small_batch_and_keep_long_splits() -> None:
+def test_splits_fill_the_gpu_without_a_partial_wave() -> None:
     cpu = torch.device("cpu")  # 8 "SMs" here
-    assert choose_mla_splits(1, 1, 4096, cpu) == 32  # four programs per SM
-    assert choose_mla_splits(1, 1, 256, cpu) == 2  # no split under 128 tokens
-    assert choose_mla_splits(4, 1, 4096, cpu) == 8
-    assert choose_mla_splits(8, 1, 4096, cpu) == 1  # a program per SM already
+    one, two = MLADecodeConfig(32, 4, 2, False, 1), MLADecodeConfig(64, 4, 2, True, 2)
+    assert choose_mla_splits(1, 1, 4096, one, cpu) == 8  # a program per SM
+    assert choose_mla_splits(1, 1, 4096, two, cpu) == 16
+    assert choose_mla_splits(3, 1, 4096, one, cpu) == 2  # 6 programs, not 9
+    assert choose_mla_splits(1, 1, 64, one, cpu) == 2  # no split shorter than a tile
+    assert choose_mla_splits(8, 1, 4096, one, cpu) == 1  # a program per SM already
+    assert choose_mla_splits(16, 2, 4096, two, cpu) == 1
+
+
+def test_config_table_covers_every_batch() -> None:
+    sizes = [e[0] for e in CONFIG_TABLE]
+    assert sizes == sorted(sizes)
+    assert mla_decode_config(1, torch.bfloat16) == MLADecodeConfig(*CONFIG_TABLE[0][1:])
+    assert mla_decode_config(sizes[0] + 1, torch.bfloat16) == MLADecodeConfig(*CONFIG_TABLE[1][1:])
+    assert mla_decode_config(10**6, torch.bfloat16) == MLADecodeConfig(*CONFIG_TABLE[-1][1:])
+    assert mla_decode_config(1, torch.float32).tile_n == 16
