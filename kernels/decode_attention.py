@@ -34,17 +34,40 @@ class Fp8CacheRead:
     bf16 goes through fp16 and costs one more cvt per value. value_pairs: the value tile, whose
     dot runs along its strided dim (tokens), is read as 16-bit words of two neighbouring
     values: 16-bit tiles transpose in ldmatrix, 8-bit ones went through one shared-memory load
-    a byte; the even and the odd values then feed two dots of half the head dim each."""
+    a byte; the even and the odd values then feed two dots of half the head dim each.
+    prmt_pairs: on a GPU, with fp16 dots of an e4m3 cache, the pairs split into their even and
+    odd bytes by one prmt each (inline PTX) where Triton's shifts and masks took four
+    instructions; the interpreter (CPU tensors) always takes Triton's split."""
 
     fp16_dots: bool = True
     value_pairs: bool = True
+    prmt_pairs: bool = True
 
 
 @triton.jit
-def _widen_pairs(pairs, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _widen_pairs(pairs, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT: tl.constexpr):
     """16-bit words of two FP8 values (the even index in the low byte) -> (evens, odds)."""
-    even = (pairs & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(DOT_DTYPE)
-    odd = (pairs >> 8).to(tl.uint8).to(FP8, bitcast=True).to(DOT_DTYPE)
+    if PRMT:  # two words a register: bytes 0 and 2 are the evens, 1 and 3 the odds
+        even, odd = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 e, o;
+            .reg .b16 e_lo, e_hi, o_lo, o_hi;
+            prmt.b32 e, $2, 0, 0x0020;
+            prmt.b32 o, $2, 0, 0x0031;
+            mov.b32 {e_lo, e_hi}, e;
+            mov.b32 {o_lo, o_hi}, o;
+            cvt.rn.f16x2.e4m3x2 $0, e_lo;
+            cvt.rn.f16x2.e4m3x2 $1, o_lo;
+            }""",
+            "=r,=r,r",
+            [pairs],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        even = (pairs & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(DOT_DTYPE)
+        odd = (pairs >> 8).to(tl.uint8).to(FP8, bitcast=True).to(DOT_DTYPE)
     return even, odd
 
 
@@ -78,6 +101,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     VALUE_PAIRS: tl.constexpr,
+    PRMT_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing one KV head, over one split of a sequence's keys."""
@@ -147,7 +171,7 @@ def _decode_kernel(
                 mask=pos_mask[:, None] & pair_mask[None, :],
                 other=0,
             )
-            v_even, v_odd = _widen_pairs(pairs, v_cache_ptr.dtype.element_ty, DOT_DTYPE)
+            v_even, v_odd = _widen_pairs(pairs, v_cache_ptr.dtype.element_ty, DOT_DTYPE, PRMT_PAIRS)
             p = p.to(DOT_DTYPE)
             acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
@@ -245,18 +269,17 @@ def default_decode_config(
 
 
 def _widened_cache(
-    query_dtype: torch.dtype,
-    cache_dtype: torch.dtype,
-    block_d: int,
-    head_dim: int,
-    read: Fp8CacheRead,
-) -> tuple[torch.dtype, bool]:
-    """(the dots' dtype, whether values load in pairs) for this query and cache."""
+    query: torch.Tensor, cache_dtype: torch.dtype, block_d: int, read: Fp8CacheRead
+) -> tuple[torch.dtype, bool, bool]:
+    """(the dots' dtype, whether values load in pairs, whether prmt splits them)."""
     if cache_dtype.itemsize != 1:
-        return query_dtype, False
-    dot_dtype = torch.float16 if read.fp16_dots and query_dtype.itemsize == 2 else query_dtype
+        return query.dtype, False, False
+    fp16 = read.fp16_dots and query.dtype.itemsize == 2
+    dot_dtype = torch.float16 if fp16 else query.dtype
     # each half-width dot needs 16 columns on the GPU
-    return dot_dtype, read.value_pairs and head_dim % 2 == 0 and block_d >= 32
+    pairs = read.value_pairs and query.shape[-1] % 2 == 0 and block_d >= 32
+    prmt = pairs and read.prmt_pairs and fp16 and cache_dtype == torch.float8_e4m3fn
+    return dot_dtype, pairs, prmt and query.device.type == "cuda"
 
 
 def paged_decode_attention(
@@ -310,9 +333,7 @@ def paged_decode_attention(
     else:
         part_out = part_max = part_sum = out
     block_d = next_pow2(head_dim)
-    dot_dtype, value_pairs = _widened_cache(
-        query.dtype, kv_cache.dtype, block_d, head_dim, fp8_read
-    )
+    dot_dtype, value_pairs, prmt_pairs = _widened_cache(query, kv_cache.dtype, block_d, fp8_read)
     pdl = uses_pdl(query.device)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         query,
@@ -343,6 +364,7 @@ def paged_decode_attention(
         PRECISION=dot_precision(query.dtype),
         DOT_DTYPE=_TL_DTYPES[dot_dtype],
         VALUE_PAIRS=value_pairs,
+        PRMT_PAIRS=prmt_pairs,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
