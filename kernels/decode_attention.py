@@ -30,8 +30,8 @@ class Fp8CacheRead:
     """How the decode kernel widens an FP8 cache's keys and values for its two dots.
 
     fp16_dots: a 16-bit query's dots run in fp16 (the query scaled by a power of two into
-    fp16's range, exactly), since e4m3 -> fp16 is one Hopper cvt per two values while e4m3 ->
-    bf16 goes through fp16 and costs one more cvt per value. value_pairs: the value tile, whose
+    fp16's range, keeping all its bits), since e4m3 -> fp16 is one Hopper cvt per two values;
+    e4m3 -> bf16 goes through fp16 and costs one more cvt per value. value_pairs: the value tile, whose
     dot runs along its strided dim (tokens), is read as 16-bit words of two neighbouring
     values: 16-bit tiles transpose in ldmatrix, 8-bit ones went through one shared-memory load
     a byte; the even and the odd values then feed two dots of half the head dim each.
