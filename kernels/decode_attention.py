@@ -8,6 +8,7 @@ projection's GEMV) may start loading its weights meanwhile."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -19,6 +20,55 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 LONG_TILE_MIN_SEQS = 64
 _LOG2E = 1.4426950408889634
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# a query scaled by a power of two to at most 2^14 stays inside fp16's range (65,504)
+_FP16_QUERY_EXPONENT = tl.constexpr(13.0)
+
+
+@dataclass(frozen=True)
+class Fp8CacheRead:
+    """How the decode kernel widens an FP8 cache's keys and values for its two dots.
+
+    fp16_dots: a 16-bit query's dots run in fp16 (the query scaled by a power of two into
+    fp16's range, keeping all its bits), since e4m3 -> fp16 is one Hopper cvt per two values;
+    e4m3 -> bf16 goes through fp16 and costs one more cvt per value. value_pairs: the value tile, whose
+    dot runs along its strided dim (tokens), is read as 16-bit words of two neighbouring
+    values: 16-bit tiles transpose in ldmatrix, 8-bit ones went through one shared-memory load
+    a byte; the even and the odd values then feed two dots of half the head dim each.
+    prmt_pairs: on a GPU, with fp16 dots of an e4m3 cache, the pairs split into their even and
+    odd bytes by one prmt each (inline PTX) where Triton's shifts and masks took four
+    instructions; the interpreter (CPU tensors) always takes Triton's split."""
+
+    fp16_dots: bool = True
+    value_pairs: bool = True
+    prmt_pairs: bool = True
+
+
+@triton.jit
+def _widen_pairs(pairs, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT: tl.constexpr):
+    """16-bit words of two FP8 values (the even index in the low byte) -> (evens, odds)."""
+    if PRMT:  # two words a register: bytes 0 and 2 are the evens, 1 and 3 the odds
+        even, odd = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 e, o;
+            .reg .b16 e_lo, e_hi, o_lo, o_hi;
+            prmt.b32 e, $2, 0, 0x0020;
+            prmt.b32 o, $2, 0, 0x0031;
+            mov.b32 {e_lo, e_hi}, e;
+            mov.b32 {o_lo, o_hi}, o;
+            cvt.rn.f16x2.e4m3x2 $0, e_lo;
+            cvt.rn.f16x2.e4m3x2 $1, o_lo;
+            }""",
+            "=r,=r,r",
+            [pairs],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        even = (pairs & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(DOT_DTYPE)
+        odd = (pairs >> 8).to(tl.uint8).to(FP8, bitcast=True).to(DOT_DTYPE)
+    return even, odd
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -49,6 +99,9 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    VALUE_PAIRS: tl.constexpr,
+    PRMT_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing one KV head, over one split of a sequence's keys."""
@@ -79,10 +132,23 @@ def _decode_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if q.dtype != DOT_DTYPE:  # a bf16 query into fp16, by a power of two the scores undo
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        shift = tl.where(q_max > 0.0, tl.floor(tl.log2(q_max)) - _FP16_QUERY_EXPONENT, 0.0)
+        q = (q.to(tl.float32) * tl.exp2(-shift)).to(DOT_DTYPE)
+        scale_log2 = scale_log2 * tl.exp2(shift)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if VALUE_PAIRS:
+        acc_even = tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32)
+        d_pair = tl.arange(0, BLOCK_D // 2)
+        pair_mask = d_pair < HEAD_DIM // 2
+        pair_offset = kv_head * (HEAD_DIM // 2) + d_pair
+        pairs_ptr = v_cache_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
     kv_offset = kv_head * HEAD_DIM + d
     for tile in range(tile_lo, tile_hi):
@@ -92,16 +158,29 @@ def _decode_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_ptrs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_offset[None, :]
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if VALUE_PAIRS:
+            pairs = tl.load(
+                pairs_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + pair_offset[None, :],
+                mask=pos_mask[:, None] & pair_mask[None, :],
+                other=0,
+            )
+            v_even, v_odd = _widen_pairs(pairs, v_cache_ptr.dtype.element_ty, DOT_DTYPE, PRMT_PAIRS)
+            p = p.to(DOT_DTYPE)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if VALUE_PAIRS:  # interleaved back: column 2j is acc_even's j, column 2j + 1 acc_odd's
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, BLOCK_D])
     acc *= v_scale  # an FP8 cache's values are v / v_scale
 
     if SPLIT:
@@ -189,6 +268,20 @@ def default_decode_config(
     return AttentionConfig(block_m=0, block_n=block_n, num_warps=4, num_stages=3)
 
 
+def _widened_cache(
+    query: torch.Tensor, cache_dtype: torch.dtype, block_d: int, read: Fp8CacheRead
+) -> tuple[torch.dtype, bool, bool]:
+    """(the dots' dtype, whether values load in pairs, whether prmt splits them)."""
+    if cache_dtype.itemsize != 1:
+        return query.dtype, False, False
+    fp16 = read.fp16_dots and query.dtype.itemsize == 2
+    dot_dtype = torch.float16 if fp16 else query.dtype
+    # each half-width dot needs 16 columns on the GPU
+    pairs = read.value_pairs and query.shape[-1] % 2 == 0 and block_d >= 32
+    prmt = pairs and read.prmt_pairs and fp16 and cache_dtype == torch.float8_e4m3fn
+    return dot_dtype, pairs, prmt and query.device.type == "cuda"
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -202,6 +295,7 @@ def paged_decode_attention(
     config: AttentionConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_read: Fp8CacheRead = Fp8CacheRead(),
 ) -> torch.Tensor:
     """query [num_seqs, num_heads, head_dim], one token per sequence at position seq_len - 1.
 
@@ -210,7 +304,8 @@ def paged_decode_attention(
     len(seq_lens) are padding and come out as zeros. num_splits (None: chosen from the host int
     max_seq_len, default the block table's capacity) only affects speed, never the result, and
     nothing here syncs with the device, so the call can be captured in a CUDA graph. The cache
-    holds keys / k_scale and values / v_scale (an FP8 cache's per-tensor scales).
+    holds keys / k_scale and values / v_scale (an FP8 cache's per-tensor scales); fp8_read
+    says how an FP8 cache is widened (speed only).
     """
     num_rows, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -238,6 +333,7 @@ def paged_decode_attention(
     else:
         part_out = part_max = part_sum = out
     block_d = next_pow2(head_dim)
+    dot_dtype, value_pairs, prmt_pairs = _widened_cache(query, kv_cache.dtype, block_d, fp8_read)
     pdl = uses_pdl(query.device)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         query,
@@ -266,6 +362,9 @@ def paged_decode_attention(
         TILE_N=config.block_n,
         SPLIT=split,
         PRECISION=dot_precision(query.dtype),
+        DOT_DTYPE=_TL_DTYPES[dot_dtype],
+        VALUE_PAIRS=value_pairs,
+        PRMT_PAIRS=prmt_pairs,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_kernels_attention import DEVICE, make_batch, relative_error
+from test_kernels_attention import (
+    DEVICE,
+    FULL,
+    TOLERANCE,
+    make_batch,
+    reference_attention,
+    relative_error,
+)
 
 from asyncllm.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from asyncllm.attention.torch_backend import TorchAttentionBackend, write_kv_cache
@@ -22,7 +29,12 @@ from asyncllm.attention.triton_backend import TritonAttentionBackend
 from asyncllm.config import CacheConfig
 from asyncllm.layers.rotary import build_cos_sin_cache
 from kernels import norm_rope_and_cache, reshape_and_cache
-from kernels.decode_attention import LONG_TILE_MIN_SEQS, default_decode_config
+from kernels.decode_attention import (
+    LONG_TILE_MIN_SEQS,
+    Fp8CacheRead,
+    default_decode_config,
+    paged_decode_attention,
+)
 
 FP8 = torch.float8_e4m3fn
 # a mixed step: decodes beside a prompt and a chunk continued over cached tokens, padding rows
@@ -67,6 +79,64 @@ def test_decode_reads_an_fp8_cache_in_tiles_of_twice_the_keys() -> None:
     for dtype, seqs in [(torch.bfloat16, LONG_TILE_MIN_SEQS), (torch.float32, 1)]:
         wide = default_decode_config(dtype, seqs, FP8).block_n
         assert wide == 2 * default_decode_config(dtype, seqs, dtype).block_n
+
+
+# fp16 dots keep a bf16 query exact: only the output's rounding to bf16 remains, at most 2^-8
+# of each value (the interpreter truncates; the GPU rounds, half that)
+BF16_OUTPUT = 4.5e-3
+# prmt_pairs (inline PTX) only runs on a GPU: on CPU the last read is the first
+READS = [Fp8CacheRead(fp16, pairs) for fp16 in (True, False) for pairs in (True, False)]
+READS += [Fp8CacheRead(prmt_pairs=False)] if FULL else []
+# on CPU the interpreter cannot compute bf16: a bf16 query there only with fp16 dots
+READ_CASES = [
+    (read, dtype)
+    for read in READS
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if FULL or dtype != torch.bfloat16 or read.fp16_dots
+]
+
+
+def fp8_decode_error(
+    query: torch.Tensor, cache: torch.Tensor, meta, scale: float, **kwargs
+) -> float:
+    """The decode kernel over an FP8 cache against float64 attention over its widened values."""
+    out = paged_decode_attention(
+        query, cache, meta.block_tables, meta.seq_lens, scale, k_scale=3.0, v_scale=0.7, **kwargs
+    )
+    widened = cache.double()
+    widened[0] *= 3.0
+    widened[1] *= 0.7
+    return relative_error(out, reference_attention(query, widened, meta, scale))
+
+
+@pytest.mark.parametrize("read,dtype", READ_CASES, ids=str)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,num_splits",
+    # value pairs past the head dim masked (40 in 64 columns), three query heads a KV head;
+    # an odd head dim reads the values one by one
+    [(6, 2, 40, 3), (2, 2, 15, 1)],
+)
+def test_decode_reads_an_fp8_cache_alike_every_way(
+    read, dtype, num_heads, num_kv_heads, head_dim, num_splits
+) -> None:
+    query, _, _, cache, meta = make_batch(
+        [1] * 4, [1, 17, 40, 70], num_heads, num_kv_heads, head_dim, torch.float32
+    )
+    error = fp8_decode_error(
+        query.to(dtype), cache.to(FP8), meta, head_dim**-0.5, num_splits=num_splits, fp8_read=read
+    )
+    tolerance = BF16_OUTPUT if dtype == torch.bfloat16 and read.fp16_dots else TOLERANCE[dtype]
+    assert error < tolerance
+
+
+@pytest.mark.parametrize("magnitude", [2.0**24, 2.0**-30])
+def test_fp16_dots_scale_a_bf16_query_past_fp16s_range(magnitude: float) -> None:
+    """2^24 overflows fp16 (65,504), 2^-30 is below its smallest subnormal (2^-24)."""
+    query, _, _, cache, meta = make_batch([1] * 3, [5, 33, 20], 4, 2, 64, torch.float32)
+    error = fp8_decode_error(
+        (query * magnitude).to(torch.bfloat16), cache.to(FP8), meta, 0.125 / magnitude
+    )
+    assert error < BF16_OUTPUT
 
 
 def test_the_triton_kv_write_rounds_as_torch_does() -> None:
