@@ -98,7 +98,7 @@ class Int4GemvConfig:
     block_r: int = 16
     splits: int = 4
     num_warps: int = 2
-    num_stages: int = 3
+    num_stages: int = 1
 
 
 # what int4_gemm runs below GEMV_MAX_ROWS rows (bench/int4_gemv_sweep.py prints the candidates)
