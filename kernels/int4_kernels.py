@@ -365,8 +365,8 @@ def int4_gemm(
 
 def half_kind(x: torch.Tensor) -> int:
     """The GEMV's packed path for x (BF16, FP16), NO_HALF where it runs in fp32: x in fp32,
-    on the CPU (the interpreter runs no PTX), or of odd length (x is read in pairs)."""
-    if not x.is_cuda or x.shape[-1] % 2:
+    on the CPU (the interpreter runs no PTX), or not in whole pairs (x is read as int32)."""
+    if not x.is_cuda or x.shape[-1] % 2 or x.storage_offset() % 2:
         return NO_HALF.value
     if x.dtype == torch.bfloat16:
         return BF16.value

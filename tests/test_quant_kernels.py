@@ -66,6 +66,16 @@ def test_int4_gemm_matches_dequantized_weights(m, k, n, group, dtype) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.skipif(not CUDA, reason="the packed bf16 path runs only on the GPU")
+@pytest.mark.parametrize(("m", "k", "n", "group"), [c for c in INT4_CASES if c[0] <= GEMV_MAX_ROWS])
+def test_int4_gemv_bf16_pairs_on_awkward_sizes(m, k, n, group) -> None:
+    qweight, scales, zeros = int4_weights(k, n, group, torch.bfloat16, seed=m + k + n)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    expected = x.float() @ dequantize_int4(qweight, scales, zeros, group, k)
+    out = kernels.int4_gemm(x, qweight, scales, zeros, group).float()
+    assert (out - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
 @pytest.mark.parametrize(("m", "k", "n", "config"), [
     (1, 256, 96, Int4GemvConfig(block_n=32, block_r=8, splits=1)),  # whole tiles, one part
     (3, 264, 40, Int4GemvConfig(block_n=16, block_r=4, splits=2)),  # N and K off the tiles
