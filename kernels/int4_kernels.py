@@ -1,31 +1,111 @@
 """out = x @ W for 4-bit weights (AWQ, GPTQ, compressed-tensors pack-quantized, all repacked to
 one layout at load): W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n], g = k // group_size.
-q packs 8 values of K per int32 (value k at bits 4 * (k % 8) of qweight[k // 8, n]).
+q packs 8 values of K per int32, interleaved: value 2j at bits 4j and value 2j + 1 at bits
+16 + 4j of qweight[k // 8, n] (j = k % 8 // 2), so that one shift and one mask put a pair of
+consecutive values in the two 16-bit halves of a word. zeros hold whole numbers (every
+format's zero points are).
 
-Both kernels load each packed word once and widen its nibbles without an integer-to-float
-conversion (which issues at a sixteenth of the FMA rate): OR-ing q into the mantissa of 2^23
-gives the float 2^23 + q exactly, and one subtraction leaves q.
+Batches of up to GEMV_MAX_ROWS rows (decode) should be bound by reading W: an H200 streams
+8.4e12 4-bit weights a second (4.2 TB/s) and issues 3.3e13 thread instructions (integer logic
+at half that), about 4 issue slots a weight. Widening in fp32 (shift, mask, subtract and FMA
+per weight) took about 6: ALU-bound. The packed path takes 19 instructions a word of 8
+(3 shifts, 4 lop3, 4 packed subtractions, 4 packed FMAs, 2 widenings, 2 fp32 ops; ptxas's
+sm_90 loop has 25). In bf16 or fp16 on the GPU (inline PTX): OR-ing a pair of nibbles into
+the mantissas of two halves of 128 (bf16) or 1024 (fp16) gives 128 + q exactly, one packed
+subtraction of 128 + z leaves q - z, and packed FMAs take the 8 values of a word against 8 of
+x; the word's two half sums are added in fp32. Elsewhere (fp32, or the CPU interpreter) the
+same sums run in fp32 with the nibbles widened through the mantissa of 2^23. A tile of
+BLOCK_R packed rows lies inside one group, its scale applied once per word; the rows' sums are
+kept apart until the end, so nothing crosses threads in the loop. K is split in up to `splits`
+parts, their sums added atomically in fp32. W is read once whatever the rows: each word is
+unpacked once for all of them.
 
-Batches of up to GEMV_MAX_ROWS rows (decode) sum x * q without tensor cores, each tile of W
-widened once for all rows, so W is read once whatever the rows; a tile lies inside one group,
-so its zero point and scale come in once, as s * (sum x * q - z * sum x). K is split in up to
-four parts, their sums added atomically in fp32. Larger batches unpack a [BLOCK_K, BLOCK_N] tile of W to the activations' dtype for a
+Larger batches unpack a [BLOCK_K, BLOCK_N] tile of W to the activations' dtype for a
 tensor-core dot.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, next_pow2
+from kernels._common import dot_precision, next_pow2, uses_pdl
 
 # rows at or below which the GEMV kernel runs
 GEMV_MAX_ROWS = 4
 # 2^23 as float bits: 2^23 + q for q < 2^23 has q as its mantissa
 _MAGIC = tl.constexpr(0x4B000000)
 _MAGIC_F = tl.constexpr(8388608.0)
+# the half (packed) path's dtypes: 128 and 1024 have a unit last place in bf16 and fp16
+NO_HALF = tl.constexpr(0)
+BF16 = tl.constexpr(1)
+FP16 = tl.constexpr(2)
+
+# a word's nibbles at bits 0..3 and 16..19 (after a shift of 4j: values 2j and 2j + 1), and the
+# bits of a pair of 128s (bf16) and 1024s (fp16) that they are OR-ed into
+PAIR_MASK = 0x000F000F
+HALF_MAGIC_BITS = {torch.bfloat16: 0x43004300, torch.float16: 0x64006400}
+# (128 + q) pairs of a word's 4 shifts: bits 4j..4j+3 and 16+4j..16+4j+3 into both mantissas,
+# then the packed 128 + z subtracted; outputs the pairs (q - z) of values 2j, 2j + 1
+_UNPACK = """{{
+.reg .b32 t<4>;
+lop3.b32 t0, $4, {mask}, {magic}, 0xEA;
+shr.u32 t1, $4, 4;
+lop3.b32 t1, t1, {mask}, {magic}, 0xEA;
+shr.u32 t2, $4, 8;
+lop3.b32 t2, t2, {mask}, {magic}, 0xEA;
+shr.u32 t3, $4, 12;
+lop3.b32 t3, t3, {mask}, {magic}, 0xEA;
+sub.rn.{ty} $0, t0, $5;
+sub.rn.{ty} $1, t1, $5;
+sub.rn.{ty} $2, t2, $5;
+sub.rn.{ty} $3, t3, $5;
+}}"""
+# the 8 products of 4 (q - z) pairs and 4 x pairs summed packed, the two halves added in fp32
+_DOT = """{{
+.reg .b32 a;
+mul.rn.{ty} a, $1, $5;
+fma.rn.{ty} a, $2, $6, a;
+fma.rn.{ty} a, $3, $7, a;
+fma.rn.{ty} a, $4, $8, a;
+{widen}
+add.f32 $0, lo, hi;
+}}"""
+_WIDEN_BF16 = """.reg .b32 lo, hi;
+shl.b32 lo, a, 16;
+and.b32 hi, a, 0xFFFF0000;"""
+_WIDEN_FP16 = """.reg .b16 l, h;
+.reg .f32 lo, hi;
+mov.b32 {l, h}, a;
+cvt.f32.f16 lo, l;
+cvt.f32.f16 hi, h;"""
+_UNPACK_BF16 = tl.constexpr(
+    _UNPACK.format(mask=hex(PAIR_MASK), magic=hex(HALF_MAGIC_BITS[torch.bfloat16]), ty="bf16x2")
+)
+_UNPACK_FP16 = tl.constexpr(
+    _UNPACK.format(mask=hex(PAIR_MASK), magic=hex(HALF_MAGIC_BITS[torch.float16]), ty="f16x2")
+)
+_DOT_BF16 = tl.constexpr(_DOT.format(ty="bf16x2", widen=_WIDEN_BF16))
+_DOT_FP16 = tl.constexpr(_DOT.format(ty="f16x2", widen=_WIDEN_FP16))
+
+
+@dataclass(frozen=True)
+class Int4GemvConfig:
+    """Launch settings of the GEMV kernel: block_n columns and block_r packed rows (8 * block_r
+    of K, cut to the group) a tile, K in up to `splits` parts."""
+
+    block_n: int = 64
+    block_r: int = 16
+    splits: int = 4
+    num_warps: int = 2
+    num_stages: int = 1
+
+
+# what int4_gemm runs below GEMV_MAX_ROWS rows (bench/int4_gemv_sweep.py prints the candidates)
+GEMV_CONFIG = Int4GemvConfig()
 
 
 @triton.jit
@@ -33,6 +113,13 @@ def _nibbles(packed, shift):
     """The 4-bit values at bits shift..shift+3 of packed, as fp32."""
     bits = ((packed >> shift) & 0xF) | _MAGIC
     return bits.to(tl.float32, bitcast=True) - _MAGIC_F
+
+
+@triton.jit
+def _value_shifts():
+    """The bit position of each of a word's 8 values (the interleaved order)."""
+    v = tl.arange(0, 8)
+    return (v % 2) * 16 + (v // 2) * 4
 
 
 @triton.jit
@@ -57,7 +144,7 @@ def _int4_gemm_kernel(
     row_mask, col_mask = rows < M, cols < N
     ks = tl.arange(0, BLOCK_K)
     words = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
+    shifts = _value_shifts()
     packed_rows = tl.cdiv(K, 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -85,6 +172,83 @@ def _int4_gemm_kernel(
 
 
 @triton.jit
+def _half_pairs(packed, zero, HALF: tl.constexpr):
+    """The 4 words of packed (q - z) half pairs of each word of packed, values (2j, 2j + 1) in
+    word j; zero the zero point in fp32."""
+    if HALF == BF16:
+        half = (zero + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return tl.inline_asm_elementwise(
+            _UNPACK_BF16, "=r,=r,=r,=r,r,r", [packed, half | (half << 16)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        half = (zero + 1024.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return tl.inline_asm_elementwise(
+            _UNPACK_FP16, "=r,=r,=r,=r,r,r", [packed, half | (half << 16)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _half_dot(d0, d1, d2, d3, x0, x1, x2, x3, HALF: tl.constexpr):
+    """sum of the 8 products of the (q - z) pairs d and the x pairs, in fp32 (broadcast)."""
+    if HALF == BF16:
+        return tl.inline_asm_elementwise(
+            _DOT_BF16, "=r,r,r,r,r,r,r,r,r", [d0, d1, d2, d3, x0, x1, x2, x3],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(
+            _DOT_FP16, "=r,r,r,r,r,r,r,r,r", [d0, d1, d2, d3, x0, x1, x2, x3],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _row_dot(x_ptr, row, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN):
+    """[BLOCK_R, BLOCK_N]: row `row` of x's sum over each word of packed (packed rows r) of x
+    times q - zero: from the words' (q - z) pairs d when HALF (x_ptr is x as int32 pairs), else
+    in fp32 from packed (d unused). EVEN: every word valid, only the row may be past M."""
+    mask = r * 0 + row < M
+    if not EVEN:
+        mask = mask & r_mask
+    k = r * 8
+    if HALF != NO_HALF:
+        pairs = x_ptr + row * (K // 2) + r * 4
+        x0 = tl.load(pairs, mask=mask if EVEN else mask & (k < K), other=0)
+        x1 = tl.load(pairs + 1, mask=mask if EVEN else mask & (k + 2 < K), other=0)
+        x2 = tl.load(pairs + 2, mask=mask if EVEN else mask & (k + 4 < K), other=0)
+        x3 = tl.load(pairs + 3, mask=mask if EVEN else mask & (k + 6 < K), other=0)
+        return _half_dot(d0, d1, d2, d3, x0[:, None], x1[:, None], x2[:, None], x3[:, None], HALF)
+    else:
+        dot = tl.zeros(packed.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            q = _nibbles(packed, (j % 2) * 16 + (j // 2) * 4) - zero[None, :]
+            x = tl.load(x_ptr + row * K + k + j, mask=mask & (k + j < K), other=0.0)
+            dot += x.to(tl.float32)[:, None] * q
+        return dot
+
+
+@triton.jit
+def _w_tile(w_ptr, offsets, r, r_end, col_mask, EVEN):
+    """The packed rows r of W's columns; w_ptr at row r[0], offsets [r - r[0], col]."""
+    mask = (r < r_end)[:, None]
+    if not EVEN:
+        mask = mask & col_mask[None, :]
+    return tl.load(w_ptr + offsets, mask=mask, other=0)
+
+
+@triton.jit
+def _store_row(out_ptr, row, M, N, cols, col_mask, acc, SPLIT_K):
+    total = tl.sum(acc, axis=0)
+    mask = col_mask & (cols * 0 + row < M)
+    if SPLIT_K:
+        tl.atomic_add(out_ptr + row * N + cols, total, mask=mask)
+    else:
+        tl.store(out_ptr + row * N + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -94,48 +258,71 @@ def _int4_gemv_kernel(
     M,
     N,
     K,
-    group_size,
     k_per_split,
+    GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out (+)= x[:, split] @ W[split] for the M rows (SPLIT_K: out fp32 and zeroed, else
-    out = x @ W in its dtype), BLOCK_R packed rows (8 * BLOCK_R of K, inside one group) a tile:
-    each tile's nibbles widened once for every row, its sum taken at once."""
+    out = x @ W in its dtype), BLOCK_R packed rows (8 * BLOCK_R of K, inside one group) a tile.
+    BLOCK_M is 1, 2 or 4, each row its own accumulator (4 named: no tensor of them crosses the
+    loop without a layout change). EVEN: N a multiple of BLOCK_N, K of k_per_split."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    m = tl.arange(0, BLOCK_M)
-    shifts = tl.arange(0, 8) * 4
+    rs = tl.arange(0, BLOCK_R)
+    offsets = rs[:, None] * N + cols[None, :]
     r_start = pid_k * (k_per_split // 8)
     r_end = tl.minimum(r_start + k_per_split // 8, tl.cdiv(K, 8))
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    # no kernel writes W: its first tile needs no wait
+    packed = _w_tile(qw_ptr + r_start * N, offsets, r_start + rs, r_end, col_mask, EVEN)
+    if USE_PDL:  # the next kernel may start loading its weights; x is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     for r0 in range(r_start, r_end, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        packed = tl.load(
-            qw_ptr + r.to(tl.int64)[:, None] * N + cols[None, :],
-            mask=(r < r_end)[:, None] & col_mask[None, :],
-            other=0,
+        r = r0 + rs
+        r_next = r0 + BLOCK_R
+        following = _w_tile(qw_ptr + r_next * N, offsets, r_next + rs, r_end, col_mask, EVEN)
+        g = r0 // (GROUP_SIZE // 8)
+        scale = tl.load(s_ptr + g * N + cols, mask=col_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + g * N + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HALF != NO_HALF:
+            d0, d1, d2, d3 = _half_pairs(packed, zero[None, :], HALF)
+        else:
+            d0, d1, d2, d3 = packed, packed, packed, packed
+        r_mask = r < r_end
+        acc0 += (
+            _row_dot(x_ptr, 0, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN)
+            * scale[None, :]
         )
-        q = _nibbles(packed[:, None, :], shifts[None, :, None])  # [BLOCK_R, 8, BLOCK_N]
-        g = ((r0 * 8) // group_size).to(tl.int64) * N + cols
-        scale = tl.load(s_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + g, mask=col_mask, other=0.0).to(tl.float32)
-        k = r[:, None] * 8 + tl.arange(0, 8)[None, :]
-        for i in tl.static_range(BLOCK_M):
-            mask = (k < K) & (k * 0 + i < M)
-            x = tl.load(x_ptr + i * K + k, mask=mask, other=0.0).to(tl.float32)
-            dot = tl.sum(tl.sum(x[:, :, None] * q, axis=1), axis=0)
-            row = scale * (dot - zero * tl.sum(tl.sum(x, axis=1), axis=0))
-            acc += tl.where(m[:, None] == i, row[None, :], 0.0)
-    out_ptrs = out_ptr + m[:, None] * N + cols[None, :]
-    out_mask = (m < M)[:, None] & col_mask[None, :]
-    if SPLIT_K:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if BLOCK_M > 1:
+            acc1 += (
+                _row_dot(x_ptr, 1, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN)
+                * scale[None, :]
+            )
+        if BLOCK_M > 2:
+            acc2 += (
+                _row_dot(x_ptr, 2, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN)
+                * scale[None, :]
+            )
+            acc3 += (
+                _row_dot(x_ptr, 3, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN)
+                * scale[None, :]
+            )
+        packed = following
+    _store_row(out_ptr, 0, M, N, cols, col_mask, acc0, SPLIT_K)
+    if BLOCK_M > 1:
+        _store_row(out_ptr, 1, M, N, cols, col_mask, acc1, SPLIT_K)
+    if BLOCK_M > 2:
+        _store_row(out_ptr, 2, M, N, cols, col_mask, acc2, SPLIT_K)
+        _store_row(out_ptr, 3, M, N, cols, col_mask, acc3, SPLIT_K)
 
 
 def int4_gemm(
@@ -144,15 +331,16 @@ def int4_gemm(
     scales: torch.Tensor,
     zeros: torch.Tensor,
     group_size: int,
+    gemv_config: Int4GemvConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W [K, N]: qweight int32 [ceil(K / 8), N], scales and zeros [groups, N] (zeros
-    as the zero point's value, in any float dtype), group_size a multiple of 8."""
+    as the zero point's whole value, in any float dtype), group_size a multiple of 8."""
     (m, k), n = x.shape, qweight.shape[1]
     if group_size % 8:
         raise ValueError(f"int4_gemm: group_size must be a multiple of 8, got {group_size}")
     x = x.contiguous()
     if m <= GEMV_MAX_ROWS:
-        return _gemv(x, qweight, scales, zeros, group_size)
+        return _gemv(x, qweight, scales, zeros, group_size, gemv_config or GEMV_CONFIG)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # 64 x 128 tiles from 64 rows: 256 rows of a 4096-wide projection still make 128 programs
     block_m = min(max(next_pow2(m), 16), 64)
@@ -178,22 +366,32 @@ def int4_gemm(
     return out
 
 
-def _gemv(x, qweight, scales, zeros, group_size):
+def half_kind(x: torch.Tensor) -> int:
+    """The GEMV's packed path for x (BF16, FP16), NO_HALF where it runs in fp32: x in fp32,
+    on the CPU (the interpreter runs no PTX), or not in whole pairs (x is read as int32)."""
+    if not x.is_cuda or x.shape[-1] % 2 or x.storage_offset() % 2:
+        return NO_HALF.value
+    if x.dtype == torch.bfloat16:
+        return BF16.value
+    return FP16.value if x.dtype == torch.float16 else NO_HALF.value
+
+
+def _gemv(x, qweight, scales, zeros, group_size, config):
     (m, k), n = x.shape, qweight.shape[1]
-    # 16 packed rows (128 of K) a tile, fewer where the group is smaller: a tile takes one
-    # scale row; 64 columns, K in 4 parts and 2 warps were fastest on the H200 for all four
-    # Llama-3.1-8B projections (bench/results/int4_gemv_sweep_h200.json)
-    block_r = min(16, (group_size // 8) & -(group_size // 8))
+    # a tile takes one scale row: its packed rows a power of two dividing the group's
+    block_r = min(config.block_r, (group_size // 8) & -(group_size // 8))
     tile_k = 8 * block_r
-    splits = min(4, triton.cdiv(k, tile_k))
+    splits = min(config.splits, triton.cdiv(k, tile_k))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), tile_k) * tile_k
     splits = triton.cdiv(k, k_per_split)
     if splits > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _int4_gemv_kernel[(triton.cdiv(n, 64), splits)](
-        x,
+    half = half_kind(x)
+    pdl = uses_pdl(x.device)
+    _int4_gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
+        x.view(torch.int32) if half else x,
         qweight,
         scales,
         zeros,
@@ -201,13 +399,17 @@ def _gemv(x, qweight, scales, zeros, group_size):
         m,
         n,
         k,
-        group_size,
         k_per_split,
+        GROUP_SIZE=group_size,
         BLOCK_M=next_pow2(m),
-        BLOCK_N=64,
+        BLOCK_N=config.block_n,
         BLOCK_R=block_r,
         SPLIT_K=splits > 1,
-        num_warps=2,
-        num_stages=3,
+        EVEN=n % config.block_n == 0 and k % k_per_split == 0,
+        HALF=half,
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out.to(x.dtype)

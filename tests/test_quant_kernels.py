@@ -7,6 +7,10 @@ also in bf16 on a Llama-3.1-8B projection.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -18,8 +22,8 @@ from asyncllm.layers.quantization.fp8 import (
     quantize_per_token_group,
     quantize_with_scale,
 )
-from asyncllm.layers.quantization.int4 import dequantize_int4, pack_int4
-from kernels.int4_kernels import GEMV_MAX_ROWS
+from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4
+from kernels.int4_kernels import GEMV_MAX_ROWS, HALF_MAGIC_BITS, PAIR_MASK, Int4GemvConfig
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -31,7 +35,7 @@ def int4_weights(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
     groups = -(-k // group)
     scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.005).to(dtype)
     zeros = torch.randint(0, 16, (groups, n), generator=gen).to(dtype)
-    return pack_int4(q, 0).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+    return pack_int4(q, 0, RUNTIME_ORDER).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
 
 
 # (M, K, N, group): GEMV rows (1-4) and GEMM rows (5, 37), K ending mid-group and mid-word;
@@ -60,6 +64,97 @@ def test_int4_gemm_matches_dequantized_weights(m, k, n, group, dtype) -> None:
     assert out.dtype == dtype and out.shape == (m, n)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not CUDA, reason="the packed bf16 path runs only on the GPU")
+@pytest.mark.parametrize(("m", "k", "n", "group"), [c for c in INT4_CASES if c[0] <= GEMV_MAX_ROWS])
+def test_int4_gemv_bf16_pairs_on_awkward_sizes(m, k, n, group) -> None:
+    qweight, scales, zeros = int4_weights(k, n, group, torch.bfloat16, seed=m + k + n)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    expected = x.float() @ dequantize_int4(qweight, scales, zeros, group, k)
+    out = kernels.int4_gemm(x, qweight, scales, zeros, group).float()
+    assert (out - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize(("m", "k", "n", "config"), [
+    (1, 256, 96, Int4GemvConfig(block_n=32, block_r=8, splits=1)),  # whole tiles, one part
+    (3, 264, 40, Int4GemvConfig(block_n=16, block_r=4, splits=2)),  # N and K off the tiles
+])  # fmt: skip
+def test_int4_gemv_launch_settings(m, k, n, config) -> None:
+    qweight, scales, zeros = int4_weights(k, n, 8, torch.float32, seed=k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    expected = x @ dequantize_int4(qweight, scales, zeros, 8, k)
+    out = kernels.int4_gemm(x, qweight, scales, zeros, 8, gemv_config=config)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_half_path_unpacks_pairs_exactly(dtype) -> None:
+    """The GEMV's PTX path, step by step in torch: word >> 4j masked with PAIR_MASK and OR-ed
+    into the magic pair reads as the halves (magic + q) of values 2j and 2j + 1 of the
+    runtime layout; less magic + z (a whole zero point) that is q - z exactly, and the packed
+    products summed per word match the dequantized weights."""
+    k, n, group = 64, 24, 32
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(dtype)
+    words = pack_int4(q, 0, RUNTIME_ORDER)  # [k / 8, n]
+    magic = torch.tensor([HALF_MAGIC_BITS[dtype]], dtype=torch.int32).view(dtype)[0]
+    z = zeros.repeat_interleave(group // 8, 0)  # each word's zero points
+    for j in range(4):
+        halves = (((words >> (4 * j)) & PAIR_MASK) | HALF_MAGIC_BITS[dtype]).view(dtype)
+        pairs = halves.view(k // 8, n, 2) - (magic + z)[..., None]  # rounded to dtype
+        expected = torch.stack([q[2 * j :: 8], q[2 * j + 1 :: 8]], -1) - z.float()[..., None]
+        assert torch.equal(pairs.float(), expected)
+    x = torch.randn(k, generator=gen).to(dtype)
+    scales = torch.rand(k // group, n, generator=gen).to(dtype)
+    # each half lane (values 0, 2, 4, 6 and 1, 3, 5, 7 of a word) sums its 4 products in
+    # dtype, one rounding a step as the packed FMAs do; the two lanes add in fp32
+    deq = (q.float() - zeros.float().repeat_interleave(group, 0)).to(dtype).view(k // 8, 8, n)
+    xs = x.view(k // 8, 8, 1)
+    lanes = [(xs[:, i] * deq[:, i]).to(dtype) for i in range(2)]
+    for i in range(2, 8):
+        lanes[i % 2] = (lanes[i % 2].float() + xs[:, i].float() * deq[:, i].float()).to(dtype)
+    word_sums = lanes[0].float() + lanes[1].float()
+    out = (word_sums * scales.float().repeat_interleave(group // 8, 0)).sum(0)
+    reference = x.float() @ dequantize_int4(words, scales, zeros, group, k)
+    assert (out - reference).abs().max() <= 1e-2 * reference.abs().max()
+
+
+# compiles the GEMV for sm_90 without a GPU (the interpreter's kernels cannot be compiled)
+_ASSEMBLE = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from kernels.int4_kernels import _int4_gemv_kernel
+half, rows, even = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+ty = "*bf16" if half == 1 else "*fp16"
+signature = {"x_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "out_ptr": "*fp32",
+             "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
+constexprs = {"GROUP_SIZE": 128, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_R": 16,
+              "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
+signature.update(dict.fromkeys(constexprs, "constexpr"))
+source = ASTSource(_int4_gemv_kernel, signature, constexprs)
+try:
+    binary = compile(source, target=GPUTarget("cuda", 90, 32))
+except RuntimeError as error:  # no ptxas in this triton install
+    print("skip", error)
+    sys.exit(0)
+print("ok", binary.asm["ptx"].count("fma.rn."))
+"""
+
+
+@pytest.mark.parametrize(("half", "rows", "even"), [(1, 1, True), (2, 4, False)])
+def test_int4_half_path_assembles_for_hopper(half, rows, even) -> None:
+    """The inline PTX (which the interpreter cannot run) goes through ptxas for sm_90, its
+    packed FMAs (3 a word) in the kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, "-c", _ASSEMBLE, str(half), str(rows), str(int(even))]
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, check=True)
+    status, detail = run.stdout.split(maxsplit=1)
+    if status == "skip":
+        pytest.skip(f"cannot assemble for sm_90 here: {detail}")
+    assert int(detail) >= 3
 
 
 def test_both_int4_paths_are_covered() -> None:

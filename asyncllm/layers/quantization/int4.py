@@ -1,10 +1,11 @@
 """The 4-bit weights every int4 format (AWQ, GPTQ, compressed-tensors pack-quantized) is
 repacked to at load, and the GEMM on them.
 
-Runtime layout (kernels.int4_gemm's): qweight int32 [ceil(K / 8), N], value k of column n at
-bits 4 * (k % 8) of qweight[k // 8, n], unsigned 0..15; scales and zeros [groups, N] in the
-activations' dtype, zeros holding the zero point's value, so W[k, n] = (q - zeros) * scales of
-group k // group_size. An act-order checkpoint's rows are sorted by group at load and `perm`
+Runtime layout (kernels.int4_gemm's): qweight int32 [ceil(K / 8), N], value k of column n in
+nibble RUNTIME_ORDER.index(k % 8) of qweight[k // 8, n] (values 2j and 2j + 1 at bits 4j and
+16 + 4j, which the GEMV widens in pairs), unsigned 0..15; scales and zeros [groups, N] in the
+activations' dtype, zeros holding the zero point's whole value, so W[k, n] = (q - zeros) *
+scales of group k // group_size. An act-order checkpoint's rows are sorted by group at load and `perm`
 reorders the activations' columns to match.
 """
 
@@ -18,6 +19,7 @@ from asyncllm.layers.quantization.base import LinearMethodBase
 
 PACK_FACTOR = 8  # 4-bit values per int32
 IN_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble i holds value i of the 8
+RUNTIME_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the kernels' interleaving of a word's 8 values
 
 
 def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] = IN_ORDER) -> torch.Tensor:
@@ -44,7 +46,7 @@ def dequantize_int4(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int
 ) -> torch.Tensor:
     """W [K, N] in fp32 from the runtime layout."""
-    q = unpack_int4(qweight, 0)[:k].float()
+    q = unpack_int4(qweight, 0, RUNTIME_ORDER)[:k].float()
     groups = torch.arange(k, device=q.device) // group_size
     return (q - zeros.float()[groups]) * scales.float()[groups]
 
@@ -66,7 +68,9 @@ def set_int4_weights(
         q = q[perm]
     for name in replaced:
         delattr(layer, name)
-    layer.register_parameter("qweight", nn.Parameter(pack_int4(q, 0), requires_grad=False))
+    layer.register_parameter(
+        "qweight", nn.Parameter(pack_int4(q, 0, RUNTIME_ORDER), requires_grad=False)
+    )
     layer.register_parameter("scales", nn.Parameter(scales.contiguous(), requires_grad=False))
     zeros = nn.Parameter(zeros.to(scales.dtype).contiguous(), requires_grad=False)
     layer.register_parameter("zeros", zeros)
