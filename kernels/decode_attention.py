@@ -259,9 +259,14 @@ def default_decode_config(
 ) -> AttentionConfig:
     """Big batches read in 128-key tiles: 91 -> 94% of copy bandwidth at 256 sequences of
     100-2,048 tokens on the H200, 82 -> 86% at 128 (`kernels_decode_mixed_sweep_h200.json`).
-    A cache of 1-byte values (FP8) reads twice the keys a tile, for the same bytes in flight
-    (in 128-key tiles it read 51% of copy bandwidth where bf16 read 94%)."""
-    widen = 2 if cache_dtype is not None and cache_dtype.itemsize == 1 else 1
+    An FP8 cache read by 16-bit queries: 128-key tiles, two stages where the batch fills the
+    device (90% of copy bandwidth at 256 x 1,024 tokens, 94% at 64 x 4,096), three where the
+    context is split (68% at 8 x 8,192; `fp8_kv_attention_sweep_h200.json`)."""
+    one_byte = cache_dtype is not None and cache_dtype.itemsize == 1
+    if one_byte and dtype.itemsize == 2:
+        stages = 2 if num_seqs >= LONG_TILE_MIN_SEQS else 3
+        return AttentionConfig(block_m=0, block_n=128, num_warps=4, num_stages=stages)
+    widen = 2 if one_byte else 1
     if dtype == torch.float32:
         return AttentionConfig(block_m=0, block_n=32 * widen, num_warps=4, num_stages=2)
     block_n = (128 if num_seqs >= LONG_TILE_MIN_SEQS else 64) * widen

@@ -46,14 +46,14 @@ class MLADecodeConfig:
 
 # steps of at most `rows` rows -> (tile_n, num_warps, num_stages, tokens_major, programs_per_sm),
 # bf16/fp16 at DeepSeek's widths (rank 512 + rope 64); the last row holds for more rows.
-# bench/mla_sweep.py prints this table from its H200 run.
+# bench/mla_sweep.py prints this table from its H200 run (bench/results/mla_sweep_h200.json).
 CONFIG_TABLE = (
     (1, 32, 8, 3, False, 1),
-    (8, 32, 8, 3, False, 1),
-    (32, 32, 8, 3, False, 1),
-    (64, 32, 8, 3, False, 1),
-    (128, 32, 8, 3, False, 1),
-    (256, 32, 8, 3, False, 1),
+    (8, 64, 8, 3, False, 1),
+    (32, 32, 4, 3, False, 2),
+    (64, 32, 4, 3, False, 2),
+    (128, 64, 8, 3, False, 1),
+    (256, 32, 4, 3, False, 2),
 )
 # fp32 (tests, the reference checks): 16-token tiles keep three stages in shared memory
 FP32_CONFIG = MLADecodeConfig(16, 8, 3, False, 1)
