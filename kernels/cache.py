@@ -15,8 +15,10 @@ _E4M3_MAX = tl.constexpr(448.0)
 def scaled_for_cache(x, scale, FP8: tl.constexpr):
     """x as an FP8 cache stores it: x / scale (rounded as torch divides), saturated at e4m3's
     range; as it is for a cache of the model's dtype."""
+    # one return: triton 3.6 compiles the code after a constexpr branch's return too, and
+    # refuses two returns of different types
     if FP8:
-        return tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX)
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX)
     return x
 
 

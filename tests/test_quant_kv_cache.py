@@ -73,12 +73,15 @@ def test_attention_over_an_fp8_cache_equals_the_rounded_values(
     assert relative_error(out[:n], ref[:n]) < 1e-5
 
 
-def test_decode_reads_an_fp8_cache_in_tiles_of_twice_the_keys() -> None:
-    """The same bytes a tile as a 16-bit cache (the triton case above runs fp32 queries, so
-    64-key tiles over its FP8 cache)."""
-    for dtype, seqs in [(torch.bfloat16, LONG_TILE_MIN_SEQS), (torch.float32, 1)]:
-        wide = default_decode_config(dtype, seqs, FP8).block_n
-        assert wide == 2 * default_decode_config(dtype, seqs, dtype).block_n
+def test_decode_tiles_over_an_fp8_cache_are_the_measured_ones() -> None:
+    """16-bit queries: 128-key tiles, two stages once the batch fills the device, three when
+    the context is split (the H200 sweep); fp32 queries (the triton case above) read twice the
+    keys of their 16-bit cache's tile, the same bytes."""
+    for seqs, stages in [(LONG_TILE_MIN_SEQS, 2), (1, 3)]:
+        config = default_decode_config(torch.bfloat16, seqs, FP8)
+        assert (config.block_n, config.num_stages) == (128, stages)
+    wide = default_decode_config(torch.float32, 1, FP8).block_n
+    assert wide == 2 * default_decode_config(torch.float32, 1, torch.float32).block_n
 
 
 # fp16 dots keep a bf16 query exact: only the output's rounding to bf16 remains, at most 2^-8
