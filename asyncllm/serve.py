@@ -60,6 +60,8 @@ SERVER_FLAG_HELP = {
     "slow) before it is closed",
     "header_timeout": "seconds a request's headers may take from their first byte before a 408 "
     "closes the connection (0: no limit but --keep-alive-timeout)",
+    "body_timeout": "seconds a request's body may take to arrive after its headers before a 408 "
+    "(0: no limit)",
     "engine_restart": "start a new engine core when it dies (/health is 503 meanwhile)",
     "engine_restarts_per_minute": "past this many restarts in 60 s a dead engine stays down, "
     "/health 503",
