@@ -23,6 +23,7 @@ from asyncllm.engine.async_llm import AsyncLLM
 from asyncllm.engine.heap import freeze_startup_objects, use_one_malloc_arena
 from asyncllm.server.access_log import ACCESS_LOGGER, AccessLogger
 from asyncllm.server.app import STATE, ServerArgs, build_app
+from asyncllm.server.header_timeout import HeaderTimeoutRunner
 from asyncllm.server.protocol import overloaded
 from asyncllm.server.reasoning_parsers import REASONING_PARSERS
 from asyncllm.server.response_store import ResponseStoreError, open_response_store
@@ -57,6 +58,10 @@ SERVER_FLAG_HELP = {
     "responses.sqlite3 in the cache folder, $ASYNCLLM_CACHE_DIR or ~/.cache/asyncllm)",
     "keep_alive_timeout": "seconds a connection may take to send a whole request (idle or "
     "slow) before it is closed",
+    "header_timeout": "seconds a request's headers may take from their first byte before a 408 "
+    "closes the connection (0: no limit but --keep-alive-timeout)",
+    "body_timeout": "seconds a request's body may take to arrive after its headers before a 408 "
+    "(0: no limit)",
     "engine_restart": "start a new engine core when it dies (/health is 503 meanwhile)",
     "engine_restarts_per_minute": "past this many restarts in 60 s a dead engine stays down, "
     "/health 503",
@@ -179,8 +184,9 @@ async def serve(namespace: argparse.Namespace, sock: socket.socket) -> None:
     logger.info("model loaded in %.1f s", time.perf_counter() - started)
     app = build_app(engine, server_args, store)
     freeze_startup_objects()
-    runner = web.AppRunner(
+    runner = HeaderTimeoutRunner(
         app,
+        header_timeout=server_args.header_timeout,
         handler_cancellation=True,  # a client that goes away cancels its handler: abort
         access_log_class=AccessLogger,
         access_log=logging.getLogger(ACCESS_LOGGER),

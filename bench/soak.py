@@ -93,13 +93,7 @@ class Server:
         return self.url
 
     def pids(self) -> list[int]:
-        pid = self.process.pid
-        children = [
-            int(c)
-            for t in Path(f"/proc/{pid}/task").iterdir()
-            for c in (t / "children").read_text().split()
-        ]
-        return [pid, *children]
+        return process_and_children(self.process.pid)
 
     def resources(self) -> tuple[float, int, int]:
         """RSS of the server and its children (MiB), the server's fds and threads."""
@@ -115,6 +109,15 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def process_and_children(pid: int) -> list[int]:
+    children = [
+        int(c)
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for c in (t / "children").read_text().split()
+    ]
+    return [pid, *children]
 
 
 def _status(pid: int, key: str) -> int:

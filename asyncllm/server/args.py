@@ -27,6 +27,10 @@ class ServerArgs:
     # a connection that has not sent a whole request this long after connecting (or after its
     # last response) is closed: idle keep-alive connections, and headers sent a byte at a time
     keep_alive_timeout: float = 75.0
+    # a request's headers not all in this long after their first byte: 408, closed (nginx's
+    # client_header_timeout); 0: only the keep-alive timeout bounds them
+    header_timeout: float = 60.0
+    body_timeout: float = 60.0  # a request's body not all in this long after its headers: 408
     engine_restart: bool = True  # a dead engine core is replaced by a new one
     engine_restarts_per_minute: int = 3  # past this, a dead engine stays down (/health 503)
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral: reads tool calls

@@ -24,12 +24,13 @@ from asyncllm.server.protocol import (
     parse_completion,
     parse_detokenize,
     parse_tokenize,
+    timed_out,
 )
 from asyncllm.server.reasoning_parsers import constrain_the_answer
 from asyncllm.server.request_keys import RESPONSE_ID
 from asyncllm.server.responses import ChunkBuilder
 from asyncllm.server.resumable import resume_point
-from asyncllm.server.state import Admission, ServerState
+from asyncllm.server.state import STATE, Admission, ServerState
 from asyncllm.server.streaming import (
     ChunkStream,
     NumberedEvents,
@@ -64,7 +65,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
             code="unsupported_media_type",
         )
     try:
-        raw = await request.read()
+        async with asyncio.timeout(request.app[STATE].args.body_timeout or None):
+            raw = await request.read()
+    except TimeoutError as e:
+        raise timed_out("the request's body took too long to arrive.") from e
     except web.HTTPRequestEntityTooLarge as e:
         raise ProtocolError(
             e.text or "the request body is too large.",
