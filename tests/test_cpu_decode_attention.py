@@ -179,3 +179,20 @@ def test_backend_with_kernel_matches_its_torch_paths(
     ref = TorchAttentionBackend(use_cpu_kernel=False).attend(query, kv_cache, meta, 0.125)
     n = sum(query_lens)
     assert relative_error(out[:n], ref[:n]) < 1e-5
+
+
+def test_backend_verify_step_reads_the_query_heads_in_place() -> None:
+    """A verify step's query is a view of the fused qkv rows (prepare_qkv splits it): the
+    kernel reads it in place, every row as the decode step at its position."""
+    gen = torch.Generator().manual_seed(4)
+    query_lens, seq_lens = [5, 3, 5], [9, 40, 130]
+    kv_cache, tables = paged_cache(seq_lens, 16, 64, torch.float32, gen)
+    meta = step(query_lens, seq_lens, tables)
+    heads = [6, NUM_KV_HEADS, NUM_KV_HEADS]
+    qkv = torch.randn(sum(query_lens) + 1, sum(heads), 64, generator=gen)  # a padding token
+    query = qkv.split(heads, dim=1)[0]
+    out = TorchAttentionBackend().attend(query, kv_cache, meta, 0.125)
+    ref = TorchAttentionBackend(use_cpu_kernel=False).attend(query, kv_cache, meta, 0.125)
+    n = sum(query_lens)
+    assert not query.is_contiguous()
+    assert relative_error(out[:n], ref[:n]) < 1e-5

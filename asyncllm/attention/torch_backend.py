@@ -243,6 +243,12 @@ class TorchAttentionBackend:
             if self._kernel_runs(query, kv_cache)
             else None
         )
+        if decodes is not None and len(decodes.requests) == meta.num_reqs:
+            # a verify step: every query row is a decode row, in order (decode_rows' rows are
+            # 0 .. n - 1), so the kernel reads query and writes out in place
+            return paged_decode_attention_cpu(
+                query, kv_cache, decodes.block_tables, decodes.seq_lens, scale, out
+            )
         start = 0
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if decodes is None or r not in decodes.requests:
