@@ -66,6 +66,19 @@ def compile_slowly_until(llm: LLM, event: threading.Event, slow: Callable[[int],
     compiler.submit = submit
 
 
+def record_scheduled(core) -> list[str]:
+    """The ids of the requests of each step the scheduler makes from now on, in order."""
+    scheduled, schedule = [], core.scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        scheduled.extend(s.request.request_id for s in output.scheduled)
+        return output
+
+    core.scheduler.schedule = recording_schedule
+    return scheduled
+
+
 PROMPT = "Answer: " + "one two three " * 12
 
 
@@ -109,14 +122,7 @@ def test_parallel_samples_of_a_failed_step_finish(llm, sibling) -> None:
     if sibling == "compiling":  # sample 1's grammar is ready only after the failed step
         compile_slowly_until(llm, failed, lambda call: call == 1)
     core = llm.core_client.core
-    scheduled, schedule = [], core.scheduler.schedule
-
-    def recording_schedule():
-        output = schedule()
-        scheduled.extend(s.request.request_id for s in output.scheduled)
-        return output
-
-    core.scheduler.schedule = recording_schedule
+    scheduled = record_scheduled(core)
     finished = run(llm, {"p": params})
     assert finished["p"].error is not None
     assert "0_p" in scheduled and "1_p" not in scheduled  # failed with sample 0, never run
@@ -136,14 +142,7 @@ def test_a_parallel_sample_waits_for_a_sibling_whose_grammar_still_compiles(llm)
     ready.set()
     compile_slowly_until(llm, ready, lambda call: call == 0)  # sample 0's, 0.2 s late
     core = llm.core_client.core
-    scheduled, schedule = [], core.scheduler.schedule
-
-    def recording_schedule():
-        output = schedule()
-        scheduled.extend(s.request.request_id for s in output.scheduled)
-        return output
-
-    core.scheduler.schedule = recording_schedule
+    scheduled = record_scheduled(core)
     finished = run(llm, {"p": params})
     assert finished["p"].error is None
     assert scheduled.index("0_p") < scheduled.index("1_p")
