@@ -6,6 +6,9 @@ request), the engine steps and a step's time (a verify step's over a decode step
 speedup is the acceptance length over that ratio), and whether the tokens are the same with
 and without speculation. Each run's process CPU time too, and the speedup in it: on a machine
 others load, wall-clock time counts their use of the cores (run with OMP_NUM_THREADS=1 there).
+The two engines run in --rounds interleaved pairs per batch size (none, n-gram, none, ...): this
+VM's speed drifts by 15-20% within minutes, so one pair of runs can say 1.8x or 2.1x of the same
+code; the speedup reported is the median over the rounds' pairs, with each round's.
 
     python bench/spec_ngram_cpu.py --out bench/results/spec_ngram_cpu.json
 """
@@ -15,7 +18,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +34,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 
 from asyncllm import LLM, SamplingParams  # noqa: E402
 from bench.spec_decode import count_steps  # noqa: E402
+from bench.throughput import cpu_description  # noqa: E402
 
 PARAGRAPH = (
     "The commitee met on tuesday to discus the new budjet. Members agreed that the library "
@@ -71,6 +77,40 @@ def run(llm: LLM, batch: int, params: SamplingParams) -> tuple[float, float, int
     return seconds, cpu_s, len(steps), [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def compare(plain: LLM, spec: LLM, batch: int, params: SamplingParams, rounds: int) -> dict:
+    """`rounds` pairs of runs (none, then n-gram) over the tasks at `batch`; the speedups are the
+    medians of the pairs' ratios, the rates those of the runs."""
+    stats = spec.core_client.core.spec_decoding_stats
+    before = stats.snapshot()
+    pairs = [(run(plain, batch, params), run(spec, batch, params)) for _ in range(rounds)]
+    (_, _, base_steps, base_tokens), (_, _, spec_steps, spec_tokens) = pairs[0]
+    num_drafts = stats.num_drafts - before.num_drafts
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    draft_tokens = stats.num_draft_tokens - before.num_draft_tokens
+    tokens = sum(len(t) for t in base_tokens)
+    base_s = statistics.median(base[0] for base, _ in pairs)
+    spec_s = statistics.median(sped[0] for _, sped in pairs)
+    speedups = [base[0] / sped[0] for base, sped in pairs]
+    return {
+        "output_tokens": tokens,
+        "no_speculation_tokens_per_s": tokens / base_s,
+        "ngram_tokens_per_s": sum(len(t) for t in spec_tokens) / spec_s,
+        "speedup": statistics.median(speedups),
+        "round_speedups": [round(x, 3) for x in speedups],
+        "cpu_s": {"no_speculation": [base[1] for base, _ in pairs],
+                  "ngram": [sped[1] for _, sped in pairs]},
+        "speedup_in_cpu_time": statistics.median(base[1] / sped[1] for base, sped in pairs),
+        "mean_acceptance_length": 1 + accepted / max(num_drafts, 1),
+        "draft_acceptance_rate": accepted / max(draft_tokens, 1),
+        "engine_steps": {"no_speculation": base_steps, "ngram": spec_steps},
+        # prompt steps included in both, as few in each
+        "step_ms_over_no_speculation": (spec_s / spec_steps) / (base_s / base_steps),
+        "same_tokens_as_without": all(
+            sped[3] == base_tokens and base[3] == base_tokens for base, sped in pairs
+        ),
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -78,6 +118,7 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved pairs per batch size")
     parser.add_argument("--note", default="", help="recorded with the result (the machine's load)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -97,31 +138,12 @@ def main() -> None:
                  use_tqdm=False)  # fmt: skip
     runs = {}
     for batch in args.batch_sizes:
-        stats = spec.core_client.core.spec_decoding_stats
-        before = stats.snapshot()
-        base_s, base_cpu_s, base_steps, base_tokens = run(plain, batch, params)
-        spec_s, spec_cpu_s, spec_steps, spec_tokens = run(spec, batch, params)
-        num_drafts = stats.num_drafts - before.num_drafts
-        accepted = stats.num_accepted_tokens - before.num_accepted_tokens
-        tokens = sum(len(t) for t in base_tokens)
-        runs[str(batch)] = {
-            "output_tokens": tokens,
-            "no_speculation_tokens_per_s": tokens / base_s,
-            "ngram_tokens_per_s": sum(len(t) for t in spec_tokens) / spec_s,
-            "speedup": base_s / spec_s,
-            "cpu_s": {"no_speculation": base_cpu_s, "ngram": spec_cpu_s},
-            "speedup_in_cpu_time": base_cpu_s / spec_cpu_s,
-            "mean_acceptance_length": 1 + accepted / max(num_drafts, 1),
-            "draft_acceptance_rate": accepted / max(stats.num_draft_tokens - before.num_draft_tokens, 1),
-            "engine_steps": {"no_speculation": base_steps, "ngram": spec_steps},
-            # prompt steps included in both, as few in each
-            "step_ms_over_no_speculation": (spec_s / spec_steps) / (base_s / base_steps),
-            "same_tokens_as_without": spec_tokens == base_tokens,
-        }  # fmt: skip
+        runs[str(batch)] = compare(plain, spec, batch, params, args.rounds)
         r = runs[str(batch)]
         print(
             f"batch {batch}: {r['no_speculation_tokens_per_s']:.1f} -> "
-            f"{r['ngram_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x; CPU time "
+            f"{r['ngram_tokens_per_s']:.1f} tok/s (median of {args.rounds} rounds "
+            f"{r['speedup']:.2f}x, rounds {r['round_speedups']}; CPU time "
             f"{r['speedup_in_cpu_time']:.2f}x), acceptance length "
             f"{r['mean_acceptance_length']:.2f}, same tokens: {r['same_tokens_as_without']}"
         )
@@ -130,7 +152,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
         "device": f"cpu ({platform.machine()})",
+        "cpu": cpu_description(),
         "cpu_threads": torch.get_num_threads(),
+        "load_average_at_end": os.getloadavg(),
         "note": args.note,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
@@ -138,6 +162,7 @@ def main() -> None:
         "speculative_config": speculative,
         "max_tokens": args.max_tokens,
         "num_tasks": len(TASKS),
+        "rounds": args.rounds,
         "runs": runs,
     }  # fmt: skip
     if args.out:
