@@ -3,7 +3,8 @@ connections and clients that send headers a byte at a time, the crowd in a proce
 and the timeouts on real sockets: headers not all in within --header-timeout of their first byte
 get a 408 and a close, a body not all in within --body-timeout of its headers a 408; a connection
 that sends nothing is closed after --keep-alive-timeout; a slow body, a reused keep-alive
-connection and a WebSocket are not cut by the header timeout.
+connection and a WebSocket are not cut by the header timeout; headers that arrive in many pieces
+are read once a throttle interval after the first few, and still served.
 The figure (p99 within 10%) is the lead's to run on a quiet machine: timings here are disturbed
 by the other work on it."""
 
@@ -24,6 +25,9 @@ sys.path.append(
     str(Path(__file__).resolve().parents[1] / "bench")
 )  # after the project root: bench/kernels.py must not shadow kernels
 import connections  # noqa: E402 (bench/connections.py, found through the path above)
+from aiohttp import web  # noqa: E402
+
+from asyncllm.server import header_timeout  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -155,3 +159,64 @@ async def test_a_websocket_outlives_the_header_timeout(server) -> None:
                 frames.append(await asyncio.wait_for(ws.receive_json(), 30))
             assert frames[-1]["id"] == f"w{i}"
             assert not any(f["type"] == "error" for f in frames)
+
+
+async def test_headers_trickled_in_many_pieces_are_still_served(server) -> None:
+    reader, writer = await open_connection(server)
+    request = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    start = time.monotonic()
+    for byte in request:  # past the pieces that are read at once, then throttled
+        writer.write(bytes([byte]))
+        await asyncio.sleep(0.005)
+    status, _ = await read_response(reader)
+    assert status == 200 and time.monotonic() - start < HEADER_S
+    writer.close()
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading, self.pauses, self.written = True, 0, b""
+
+    def pause_reading(self) -> None:
+        self.reading, self.pauses = False, self.pauses + 1
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default=None):
+        return default
+
+
+async def test_header_pieces_past_the_first_few_pause_reading_for_the_throttle_interval(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(header_timeout, "THROTTLED_READ_S", 0.05)
+    runner = header_timeout.HeaderTimeoutRunner(web.Application(), header_timeout=60)
+    await runner.setup()
+    handler, transport = runner.server(), FakeTransport()
+    handler.connection_made(transport)
+    request = b"GET /nowhere HTTP/1.1\r\nHost: t\r\n\r\n"
+    pieces = header_timeout.PIECES_BEFORE_THROTTLE
+    for byte in request[:pieces]:
+        handler.data_received(bytes([byte]))
+    assert transport.reading and transport.pauses == 0
+    handler.data_received(request[pieces : pieces + 1])
+    assert not transport.reading and transport.pauses == 1
+    await asyncio.sleep(0.15)
+    assert transport.reading  # resumed after the interval
+    handler.data_received(request[pieces + 1 :])  # the rest at once: a whole request
+    await asyncio.sleep(0.05)
+    assert transport.written.startswith(b"HTTP/1.1 404")
+    assert transport.reading and transport.pauses == 1
+    handler.connection_lost(None)
+    await runner.cleanup()

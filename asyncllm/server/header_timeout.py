@@ -1,5 +1,10 @@
 """The header read timeout (nginx's client_header_timeout): a request whose headers are not all
 in within --header-timeout seconds of their first byte is answered 408 and its connection closed.
+Until then, headers that keep arriving in pieces are read less often: after
+PIECES_BEFORE_THROTTLE partial reads the connection's reading pauses for THROTTLED_READ_S after
+each one, so a client sending a byte at a time wakes the event loop about once a second instead
+of once a byte (the kernel keeps its bytes meanwhile). Headers arrive whole, or in a few pieces,
+from every client that is not trickling them.
 
 aiohttp bounds a connection only by its keep-alive timeout, counted from the connection or the
 last response, so a client sending its headers a byte at a time holds its socket, and costs a
@@ -17,6 +22,12 @@ import orjson
 from aiohttp import web
 
 from asyncllm.server.protocol import timed_out
+
+# a read and a parser call per byte cost the server's loop about 18 us (bench/NOTES.md)
+PIECES_BEFORE_THROTTLE = 8
+THROTTLED_READ_S = 1.0
+# after a 408, what the client still sends is read and dropped this long before the close
+LINGER_S = 2.0
 
 
 def timeout_response() -> bytes:
@@ -36,21 +47,49 @@ class HeaderTimeoutHandler(web.RequestHandler):
         self._header_timeout = header_timeout
         self._header_deadline: asyncio.TimerHandle | None = None
         self._body: Any = None  # the last request's payload (a StreamReader), None before one
+        self._header_pieces = 0  # reads of the coming request's headers so far
+        self._throttle: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None  # set once the headers timed out
 
     def data_received(self, data: bytes) -> None:
+        if self._linger is not None:
+            return
         in_body = self._body is not None and not self._body.is_eof()
         queued = len(self._messages)
         super().data_received(data)
         if len(self._messages) > queued:  # a request's headers are complete
             self._cancel_header_deadline()
             self._body = self._messages[-1][1]
-        elif data and not in_body and self._header_timeout > 0 and self._header_deadline is None:
-            loop = asyncio.get_running_loop()
-            self._header_deadline = loop.call_later(self._header_timeout, self._headers_too_slow)
+            self._header_pieces = 0
+        elif data and not in_body:
+            self._header_pieces += 1
+            if self._header_timeout > 0 and self._header_deadline is None:
+                loop = asyncio.get_running_loop()
+                deadline = loop.call_later(self._header_timeout, self._headers_too_slow)
+                self._header_deadline = deadline
+            if self._header_pieces > PIECES_BEFORE_THROTTLE and self._current_request is None:
+                self._pause_for_pieces()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_header_deadline()
+        for timer in (self._throttle, self._linger):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
+
+    def _pause_for_pieces(self) -> None:
+        if self.transport is None or self._throttle is not None:
+            return
+        self.transport.pause_reading()
+        loop = asyncio.get_running_loop()
+        self._throttle = loop.call_later(THROTTLED_READ_S, self._resume_after_pieces)
+
+    def _resume_after_pieces(self) -> None:
+        self._throttle = None
+        # aiohttp's own holds (a full payload or message buffer) keep reading paused
+        held = self._reading_paused or getattr(self, "_buffer_paused", False)  # aiohttp 3.13+
+        if self.transport is not None and not self.transport.is_closing() and not held:
+            self.transport.resume_reading()
 
     def _cancel_header_deadline(self) -> None:
         if self._header_deadline is not None:
@@ -63,8 +102,16 @@ class HeaderTimeoutHandler(web.RequestHandler):
         # long stream, also start the deadline
         if self._current_request is not None or self._messages or self.transport is None:
             return
+        # closed with the client's bytes unread (reading may be throttled, and the client may
+        # still be sending), the socket would be reset and the client could lose the 408: our
+        # side ends after it and what comes in is dropped until the close (a lingering close)
+        if self._throttle is not None:
+            self._throttle.cancel()
+            self._throttle = None
         self.transport.write(timeout_response())
-        self.force_close()
+        self.transport.write_eof()
+        self.transport.resume_reading()
+        self._linger = asyncio.get_running_loop().call_later(LINGER_S, self.force_close)
 
 
 class HeaderTimeoutServer(web.Server):
