@@ -427,6 +427,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine(),
         "load_average_1m": os.getloadavg()[0],
         "torch": torch.__version__,
+        "triton": _version("triton"),
         "xgrammar": getattr(xgrammar, "__version__", None) or _version("xgrammar"),
         "part": args.part,
         "tokenizer": str(args.tokenizer) if args.tokenizer else "synthetic (worst case)",
@@ -437,10 +438,13 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _version(package: str) -> str:
-    from importlib.metadata import version
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
 
-    return version(package)
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":
