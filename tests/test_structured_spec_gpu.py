@@ -115,6 +115,7 @@ def test_padding_logits_stay_masked_under_speculation_on_the_gpu(padded_byte_mod
         dtype="float32",
         kv_cache_memory=1 << 28,
         speculative_config=NGRAM,
+        enforce_eager=True,  # the mask is applied outside the graphs; eager starts at once
     )
     constraint, prompt = CONSTRAINTS["json"]
     params = SamplingParams(
