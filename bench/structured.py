@@ -3,17 +3,17 @@ event loop during compiles.
 
 --part step: batch-256 decode of a dummy-weight Qwen3-0.6B, every request held to a JSON schema
 of its own, against the same batch unconstrained (greedy both; target: at most 1.1x). Also the
-host time of the bitmask fill per step (on the matchers' thread, overlapping the forward pass),
-the runner's wait for it, and the floor of applying the mask on the device (the
-bf16 logits read and written once and the bitmask read once, at a copy bandwidth measured in the
-same run).
+host time per step of the bitmask fill (on the matchers' thread, overlapping the forward pass:
+the step before's sampled ids taken in, then the masks filled), the runner's wait for it and its
+own work for the grammars, and the floor of applying the mask on the device (the bf16 logits
+read and written once and the bitmask read once, at a copy bandwidth measured in the same run).
 --part compile: xgrammar compile time of 50-field schemas against the 151,643-token vocabulary.
 --part health: a running `asyncllm serve` takes 64 requests with a distinct 50-field schema each;
 the longest /health reply while they compile (probes every 10 ms).
 
 The model folder's tokenizer is a real one copied from --tokenizer (a folder with tokenizer.json,
 e.g. the default model's converted folder: no tokenizer of Qwen3's own is on the H200), its ids
-below Qwen3's 151,936 logits and the rest masked; without --tokenizer a synthetic byte-level one of
+below Qwen3's 151,936 logits, which the grammars' bitmasks forbid past it; without --tokenizer a synthetic byte-level one of
 Qwen3's size: byte tokens, then 2- and 3-character pieces of JSON's alphabet, then random words.
 The synthetic one is a worst case, not a model's: nearly every token is a possible piece of a
 JSON string, so xgrammar can settle few of them ahead and its fill costs about 1.4 ms a row on
@@ -77,7 +77,13 @@ def qwen3_folder_with_tokenizer(tokenizer: Path | None) -> Path:
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(path)
+        real = AutoTokenizer.from_pretrained(tokenizer)
+        real.save_pretrained(path)
+        # the model ends on its tokenizer's EOS, as Qwen3 on its own (151,645 is no token of
+        # another tokenizer: a grammar's vocabulary would reach it through 100k empty ids)
+        config = json.loads((path / "config.json").read_text())
+        config["eos_token_id"] = real.eos_token_id
+        (path / "config.json").write_text(json.dumps(config, indent=2))
     else:
         save_synthetic_tokenizer(path)
     return path
@@ -157,26 +163,40 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         max_num_batched_tokens=8192,
         num_kv_blocks=batch * (max_model_len // 16 + 2),
     )
-    from asyncllm.structured_output.matchers import GrammarMatchers
+    from asyncllm.structured_output import matchers
+    from asyncllm.worker.model_runner import ModelRunner
 
     core = llm.core_client.core
-    # per step, the ms in each: the whole fill on its thread, its wait for the step before's
-    # sampled ids, xgrammar's batched fills, and the runner's wait for the fill
-    timed_methods = ("_fill_host", "_take_sampled", "_fill_batched", "bitmask")
-    real = {name: getattr(GrammarMatchers, name) for name in timed_methods}
-    spent: dict[str, list[float]] = {name: [] for name in timed_methods}
+    # per step, the ms in each: the whole fill on its thread (and its thread CPU time), its wait
+    # for the step before's sampled ids, xgrammar's accepts of them (holding the GIL) and batched
+    # fills, the runner's wait for the fill, and the runner's own work for the grammars (its
+    # constrained rows, the sampled ids recorded for the matchers)
+    timed_methods = {
+        "_fill_host": matchers.GrammarMatchers,
+        "_take_sampled": matchers.GrammarMatchers,
+        "_fill_batched": matchers.GrammarMatchers,
+        "bitmask": matchers.GrammarMatchers,
+        "record_sampled": matchers.GrammarMatchers,
+        "_constrained_rows": ModelRunner,
+    }
+    real = {name: getattr(owner, name) for name, owner in timed_methods.items()}
+    real_accept = matchers.accept_in_batch
+    spent: dict[str, list[float]] = {name: [] for name in [*timed_methods, "accept", "fill_cpu"]}
 
-    def timed(name):
+    def timed(name, function):
         def call(*args):
-            start = time.perf_counter()
-            out = real[name](*args)
+            start, cpu = time.perf_counter(), time.thread_time()
+            out = function(*args)
             spent[name].append((time.perf_counter() - start) * 1e3)
+            if name == "_fill_host":
+                spent["fill_cpu"].append((time.thread_time() - cpu) * 1e3)
             return out
 
         return call
 
-    for name in timed_methods:
-        setattr(GrammarMatchers, name, timed(name))
+    for name, owner in timed_methods.items():
+        setattr(owner, name, timed(name, real[name]))
+    matchers.accept_in_batch = timed("accept", real_accept)
     # of the fill thread's wait for the sampled ids, the part spent waiting for the device
     real_synchronize = torch.cuda.Event.synchronize
     spent["device_wait"] = []
@@ -225,20 +245,30 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
                 in_step[name].append(sum(times))
         last = now
     warm = len(step_ms) // 4
-    matchers = core.executor.model_runner.grammar_matchers
+    grammar_matchers = core.executor.model_runner.grammar_matchers
+
+    def median_in_step(name: str) -> float:
+        return statistics.median(in_step[name][warm:])
+
     result = {
         "steps_timed": len(step_ms) - warm,
         "step_ms": statistics.median(step_ms[warm:]),
-        "bitmask_fill_ms": statistics.median(in_step["_fill_host"][warm:]),
-        "sampled_ids_wait_ms": statistics.median(in_step["_take_sampled"][warm:]),
-        "device_wait_ms": statistics.median(in_step["device_wait"][warm:]),
-        "xgrammar_fill_ms": statistics.median(in_step["_fill_batched"][warm:]),
-        "bitmask_wait_ms": statistics.median(in_step["bitmask"][warm:]),
-        "fill_threads": matchers.num_threads if matchers is not None else 0,
+        "bitmask_fill_ms": median_in_step("_fill_host"),
+        "bitmask_fill_thread_cpu_ms": median_in_step("fill_cpu"),
+        "sampled_ids_wait_ms": median_in_step("_take_sampled"),
+        "device_wait_ms": median_in_step("device_wait"),
+        "accept_ms": median_in_step("accept"),
+        "xgrammar_fill_ms": median_in_step("_fill_batched"),
+        "bitmask_wait_ms": median_in_step("bitmask"),
+        "constrained_rows_ms": median_in_step("_constrained_rows"),
+        "record_sampled_ms": median_in_step("record_sampled"),
+        "fill_threads": grammar_matchers.num_threads if grammar_matchers is not None else 0,
+        "grammar_vocabulary": grammar_matchers.vocab_size if grammar_matchers is not None else 0,
         "cores_usable": len(os.sched_getaffinity(0)),
     }
-    for name in timed_methods:
-        setattr(GrammarMatchers, name, real[name])
+    for name, owner in timed_methods.items():
+        setattr(owner, name, real[name])
+    matchers.accept_in_batch = real_accept
     torch.cuda.Event.synchronize = real_synchronize
     llm.core_client.shutdown()
     return result
@@ -250,7 +280,7 @@ def part_step(batch: int, steps: int, tokenizer: Path | None) -> dict:
     print(f"unconstrained: {free}", flush=True)
     held = decode_steps(folder, True, batch, steps)
     print(f"constrained:   {held}", flush=True)
-    mask_bytes = batch * VOCAB * 2 * 2 + batch * (-(-VOCAB // 32)) * 4
+    mask_bytes = batch * VOCAB * 2 * 2 + batch * (-(-held["grammar_vocabulary"] // 32)) * 4
     bandwidth = copy_bandwidth_gbs()
     return {
         "unconstrained": free,
@@ -397,6 +427,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine(),
         "load_average_1m": os.getloadavg()[0],
         "torch": torch.__version__,
+        "triton": _version("triton"),
         "xgrammar": getattr(xgrammar, "__version__", None) or _version("xgrammar"),
         "part": args.part,
         "tokenizer": str(args.tokenizer) if args.tokenizer else "synthetic (worst case)",
@@ -407,10 +438,13 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _version(package: str) -> str:
-    from importlib.metadata import version
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
 
-    return version(package)
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":

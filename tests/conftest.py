@@ -26,9 +26,19 @@ def default_model_dir():
 @pytest.fixture(scope="session")
 def tiny_model_dir(default_model_dir, tmp_path_factory):
     """A random 2-layer Llama with SmolLM2's tokenizer and chat template: fast engine tests."""
-    path = tmp_path_factory.mktemp("tiny-llama")
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir, 49152)
+
+
+@pytest.fixture(scope="session")
+def padded_tiny_model_dir(default_model_dir, tmp_path_factory):
+    """tiny_model_dir's model with twice as many logits as its tokenizer has tokens (a model's
+    vocabulary padded past its tokenizer's, as Qwen3's 151,936 logits over 151,665 tokens)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("padded-llama"), default_model_dir, 2 * 49152)
+
+
+def save_tiny_llama(path, tokenizer_dir, vocab_size: int):
     config = transformers.LlamaConfig(
-        vocab_size=49152,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -43,6 +53,6 @@ def tiny_model_dir(default_model_dir, tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.save_pretrained(path)
     return path

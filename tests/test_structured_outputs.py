@@ -11,6 +11,7 @@ from asyncllm import LLM, SamplingParams
 from asyncllm.errors import ValidationError
 from asyncllm.sample.grammar_mask import TokenBitmask, apply_token_bitmask
 from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.structured_output.compiler import tokenizer_info
 
 COLORS = {
     "type": "object",
@@ -130,6 +131,24 @@ def test_grammar_holds_beside_requests_that_speculate(tiny_model_dir) -> None:
     assert engine.core_client.core.spec_decoding_stats.num_draft_tokens > 0
 
 
+def test_grammar_vocabulary_is_the_tokenizers_not_the_logits(padded_tiny_model_dir) -> None:
+    info = tokenizer_info(padded_tiny_model_dir, 2 * 49152, [2])
+    # xgrammar would count each padding id as a special token, scanned at every accept
+    assert info.vocab_size == 49152 and info.special_token_ids == []
+
+
+def test_grammar_holds_where_the_logits_pad_the_vocabulary(padded_tiny_model_dir) -> None:
+    engine = LLM(model=str(padded_tiny_model_dir), max_model_len=512)
+    params = SamplingParams(
+        n=4, max_tokens=60, temperature=1.5, seed=11, structured_outputs={"json": COLORS}
+    )
+    (output,) = engine.generate("Answer:", params, use_tqdm=False)
+    for completion in output.outputs:
+        assert completion.finish_reason == "stop"
+        assert_colors(completion.text)
+        assert max(completion.token_ids) < 49152  # half the logits are padding
+
+
 @pytest.mark.parametrize(
     ("constraint", "param"),
     [
@@ -170,3 +189,12 @@ def test_bitmask_forbids_exactly_the_cleared_bits() -> None:
     assert torch.equal(logits, expected)
     apply_token_bitmask(whole, TokenBitmask(None, words.flip(0)))  # every row, in order
     assert torch.equal(whole, expected[[0, 2]])
+
+
+def test_bitmask_forbids_the_logits_past_its_words() -> None:
+    logits = torch.zeros(2, 100)
+    words = torch.full((1, 2), -1, dtype=torch.int32)  # tokens 0 to 63 allowed
+    apply_token_bitmask(logits, TokenBitmask(torch.tensor([1]), words))
+    assert torch.equal(logits[0], torch.zeros(100))
+    assert torch.equal(logits[1, :64], torch.zeros(64))
+    assert torch.equal(logits[1, 64:], torch.full((36,), float("-inf")))

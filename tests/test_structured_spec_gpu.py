@@ -39,6 +39,17 @@ CONSTRAINTS = {
 
 @pytest.fixture(scope="module")
 def byte_model_dir(tmp_path_factory):
+    return save_byte_model(tmp_path_factory.mktemp("structured-spec-gpu"), logits_per_token=1)
+
+
+@pytest.fixture(scope="module")
+def padded_byte_model_dir(tmp_path_factory):
+    return save_byte_model(tmp_path_factory.mktemp("structured-padded-gpu"), logits_per_token=4)
+
+
+def save_byte_model(path, logits_per_token: int):
+    """A random Llama over a byte-level tokenizer, its logits `logits_per_token` times as many
+    as the tokenizer's tokens (the rest padding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -49,7 +60,7 @@ def byte_model_dir(tmp_path_factory):
     tokenizer.add_special_tokens(["<|im_end|>"])
     eos = len(vocab)
     config = transformers.LlamaConfig(
-        vocab_size=eos + 1,
+        vocab_size=(eos + 1) * logits_per_token,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -61,7 +72,6 @@ def byte_model_dir(tmp_path_factory):
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("structured-spec-gpu")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>")
     fast.save_pretrained(path)
@@ -95,3 +105,25 @@ def test_constrained_speculation_gives_the_same_tokens_on_the_gpu(engines, kind,
             assert re.fullmatch(REGEX, completion.text), completion.text
     assert stats.num_accepted_tokens > before.num_accepted_tokens
     assert spec.config.async_scheduling
+
+
+def test_padding_logits_stay_masked_under_speculation_on_the_gpu(padded_byte_model_dir):
+    """Three quarters of the logits pad the tokenizer: none is sampled under a grammar, whose
+    bitmask covers the tokenizer's tokens only."""
+    spec = LLM(
+        model=str(padded_byte_model_dir),
+        dtype="float32",
+        kv_cache_memory=1 << 28,
+        speculative_config=NGRAM,
+        enforce_eager=True,  # the mask is applied outside the graphs; eager starts at once
+    )
+    constraint, prompt = CONSTRAINTS["json"]
+    params = SamplingParams(
+        n=4, max_tokens=80, temperature=1.5, seed=5, structured_outputs=constraint
+    )
+    (output,) = spec.generate(prompt, params, use_tqdm=False)
+    num_tokens = spec.config.model.hf_config.vocab_size // 4
+    for completion in output.outputs:
+        assert completion.finish_reason == "stop"
+        assert set(json.loads(completion.text)) == {"colour", "ok", "tags"}
+        assert max(completion.token_ids) < num_tokens

@@ -14,7 +14,9 @@ _BITS = 32
 class TokenBitmask:
     # int64 [R]: the logits rows a grammar constrains; None: every row, in order
     rows: torch.Tensor | None
-    words: torch.Tensor  # int32 [R, ceil(V / 32)]: bit j of word w allows token 32 * w + j
+    # int32 [R, W]: bit j of word w allows token 32 * w + j; the tokens past 32 * W (the logits'
+    # padding past the tokenizer's vocabulary) are forbidden
+    words: torch.Tensor
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
@@ -26,7 +28,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
     allowed = (bitmask.words.unsqueeze(-1) & bits) != 0
     forbidden = ~allowed.view(allowed.shape[0], -1)[:, :vocab]
     if bitmask.rows is None:
-        logits.masked_fill_(forbidden, float("-inf"))
+        _forbid(logits, forbidden)
         return
     rows = logits.index_select(0, bitmask.rows)
-    logits.index_copy_(0, bitmask.rows, rows.masked_fill_(forbidden, float("-inf")))
+    _forbid(rows, forbidden)
+    logits.index_copy_(0, bitmask.rows, rows)
+
+
+def _forbid(logits: torch.Tensor, forbidden: torch.Tensor) -> None:
+    """-inf at the forbidden tokens and past the columns `forbidden` covers."""
+    covered = forbidden.shape[1]
+    logits[:, :covered].masked_fill_(forbidden, float("-inf"))
+    logits[:, covered:] = float("-inf")

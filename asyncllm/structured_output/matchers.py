@@ -103,7 +103,10 @@ def _start(row: ConstrainedRow) -> GrammarState:
 
 class GrammarMatchers:
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        """vocab_size: the grammars' vocabulary (the tokenizer's), the bitmask's width; the
+        logits past it are forbidden where the mask is applied."""
         pin = device.type == "cuda"
+        self.vocab_size = vocab_size
         self._host = xgr.allocate_token_bitmask(max_rows, vocab_size)
         self._rows = torch.zeros(max_rows, dtype=torch.int64)
         if pin:

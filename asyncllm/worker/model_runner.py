@@ -384,7 +384,9 @@ class ModelRunner:
         from asyncllm.structured_output.matchers import GrammarMatchers, constrained_rows
 
         if self.grammar_matchers is None:
-            vocab_size = self.config.model.hf_config.vocab_size
+            grammar = next(s.request.grammar for s in scheduled if s.request.grammar is not None)
+            # the tokenizer's vocabulary, which the logits may pad (every grammar has the same)
+            vocab_size = grammar.tokenizer_info.vocab_size
             scheduler = self.config.scheduler
             # a row of logits per draft position and one after
             max_rows = scheduler.max_num_seqs * (1 + scheduler.num_lookahead_tokens)
