@@ -10,6 +10,7 @@ Everything stays on the device with fixed-size outputs: no host sync, so CUDA gr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, next_pow2
+from kernels._common import dot_precision, next_pow2, uses_pdl
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
 # chunk x experts one-hot tile of the alignment kernels: 16K int32 spread over the warps
@@ -37,6 +38,24 @@ class MoeTileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """The tiles of the two grouped GEMMs: gate/up holds two accumulators and reads the hidden
+    size, down one accumulator over the inner size, so they fit different tiles. They share
+    block_m: the alignment pads each expert's run to it."""
+
+    up: MoeTileConfig
+    down: MoeTileConfig
+
+    def __post_init__(self) -> None:
+        if self.up.block_m != self.down.block_m:
+            raise ValueError(f"block_m differs: up {self.up.block_m}, down {self.down.block_m}")
+
+    @classmethod
+    def same(cls, config: MoeTileConfig) -> MoeTiles:
+        return cls(config, config)
 
 
 @dataclass(frozen=True)
@@ -173,7 +192,7 @@ def _expert_prefix_kernel(
         tl.store(sorted_ids_ptr + rows, num_pairs, mask=rows < max_padded)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "group_m"])
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -183,6 +202,8 @@ def _grouped_gemm_kernel(
     num_padded_ptr,
     topk_weights_ptr,
     num_pairs,
+    rows_per_a,
+    group_m,
     N,
     K,
     stride_am,
@@ -190,27 +211,33 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_wk,
     stride_om,
-    ROWS_PER_A: tl.constexpr,
     ONE_PAIR_TILES: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """out[pair, n] = a[pair // ROWS_PER_A] . w[expert(pair), n] for one BLOCK_M x BLOCK_N tile;
-    with SILU_AND_MUL, silu(gate) * up where the up row is n + N of the same expert."""
+    """out[pair, n] = a[pair // rows_per_a] . w[expert(pair), n] for one BLOCK_M x BLOCK_N tile;
+    with SILU_AND_MUL, silu(gate) * up where the up row is n + N of the same expert.
+
+    Only the store is masked: padding rows read row 0 of a and the columns past N wrap around
+    (both discarded), so the loads stay unpredicated where K is a multiple of BLOCK_K."""
+    if USE_PDL:  # every read below but the weights' is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    num_pid_m = tl.num_programs(0) // num_pid_n
+    # grouped ordering: group_m row tiles share each weight tile while it is in L2
+    group = pid // (group_m * num_pid_n)
+    first_m = group * group_m
+    group_size = min(num_pid_m - first_m, group_m)
+    pid_m = first_m + (pid % (group_m * num_pid_n)) % group_size
+    pid_n = (pid % (group_m * num_pid_n)) // group_size
     if ONE_PAIR_TILES:
         pair = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int64)
         row_mask = tl.arange(0, BLOCK_M) == 0
@@ -220,24 +247,23 @@ def _grouped_gemm_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
         row_mask = pair < num_pairs
+        pair = tl.where(row_mask, pair, 0)
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + (pair // ROWS_PER_A)[:, None] * stride_am
-    w_cols = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    a_rows = a_ptr + (pair // rows_per_a)[:, None] * stride_am
+    w_cols = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_AND_MUL:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        k_mask = k < K
-        a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        a = _load_k_tile(a_rows + k[None, :], (k < K)[None, :], EVEN_K)
+        w = _load_k_tile(w_cols + k[:, None] * stride_wk, (k < K)[:, None], EVEN_K)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SILU_AND_MUL:
-            w_up = tl.load(w_cols + N * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            w_up = w_cols + N * stride_wn + k[:, None] * stride_wk
+            w_up = _load_k_tile(w_up, (k < K)[:, None], EVEN_K)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     if SILU_AND_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -245,7 +271,12 @@ def _grouped_gemm_kernel(
         routed = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * routed[:, None]
     out = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
+    return tl.load(ptrs) if EVEN_K else tl.load(ptrs, mask=k_mask, other=0.0)
 
 
 def _grouped_gemm(
@@ -260,7 +291,9 @@ def _grouped_gemm(
 ) -> None:
     num_pairs = out.shape[0]
     silu_and_mul = w.shape[1] == 2 * n
+    k = w.shape[2]
     grid = (alignment.block_experts.numel() * triton.cdiv(n, config.block_n),)
+    pdl = uses_pdl(a.device)
     _grouped_gemm_kernel[grid](
         a,
         w,
@@ -270,24 +303,27 @@ def _grouped_gemm(
         alignment.num_padded,
         topk_weights if topk_weights is not None else out,
         num_pairs,
+        rows_per_a,
+        config.group_m,
         n,
-        w.shape[2],
+        k,
         a.stride(0),
         w.stride(0),
         w.stride(1),
         w.stride(2),
         out.stride(0),
-        ROWS_PER_A=rows_per_a,
         ONE_PAIR_TILES=alignment.one_pair_tiles,
         SILU_AND_MUL=silu_and_mul,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        EVEN_K=k % config.block_k == 0,
         BLOCK_M=16 if alignment.one_pair_tiles else config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
         PRECISION=dot_precision(a.dtype),
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=_stages_that_fit(config, a.element_size(), silu_and_mul, a.device),
+        launch_pdl=pdl,
     )
 
 
@@ -315,7 +351,7 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoeTileConfig | None = None,
+    tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])), e = topk_ids[t, j].
 
@@ -323,19 +359,25 @@ def fused_experts(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inner = two_i // 2
-    config = config or tile_config(num_experts, inner, hidden, num_tokens, x.device, top_k)
+    tiles = tiles or tile_config(num_experts, inner, hidden, num_tokens, x.device, top_k)
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out.sum(1)
-    if uses_one_pair_tiles(num_tokens, top_k, num_experts):
-        alignment = pairs_as_tiles(topk_ids)
-    else:
-        alignment = align_by_expert(topk_ids, config.block_m, num_experts)
+    alignment = align_for(topk_ids, tiles.up.block_m, num_experts)
     activated = torch.empty(num_tokens * top_k, inner, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, activated, alignment, None, top_k, inner, config)
+    _grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
     weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
-    _grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, config)
+    _grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, tiles.down)
     return out.sum(1)
+
+
+def align_for(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> ExpertAlignment:
+    """The pairs as the grouped GEMMs read them: one a row tile at a token or two, else sorted
+    by expert and padded to block_m."""
+    num_tokens, top_k = topk_ids.shape
+    if uses_one_pair_tiles(num_tokens, top_k, num_experts):
+        return pairs_as_tiles(topk_ids)
+    return align_by_expert(topk_ids, block_m, num_experts)
 
 
 def tile_config(
@@ -345,14 +387,14 @@ def tile_config(
     num_tokens: int,
     device: torch.device,
     top_k: int = 1,
-) -> MoeTileConfig:
-    """The committed config for this shape on this device at the batch size measured nearest
+) -> MoeTiles:
+    """The committed tiles for this shape on this device at the batch size measured nearest
     in ratio (the sweep's sizes are powers of two and more), else a default by batch size."""
     table = _config_table(num_experts, inner, hidden, _device_name(device))
     if table:
         nearest = min(table, key=lambda m: abs(math.log(m / max(num_tokens, 1))))
         return table[nearest]
-    return default_tile_config(num_tokens, num_tokens * top_k / num_experts)
+    return MoeTiles.same(default_tile_config(num_tokens, num_tokens * top_k / num_experts))
 
 
 def default_tile_config(num_tokens: int, rows_per_expert: float | None = None) -> MoeTileConfig:
@@ -387,8 +429,19 @@ def _device_name(device: torch.device) -> str:
 @functools.lru_cache(maxsize=32)
 def _config_table(
     num_experts: int, inner: int, hidden: int, device_name: str
-) -> dict[int, MoeTileConfig]:
+) -> dict[int, MoeTiles]:
     path = CONFIG_DIR / config_file_name(num_experts, inner, hidden, device_name)
     if not path.exists():
         return {}
-    return {int(m): MoeTileConfig(**c) for m, c in json.loads(path.read_text()).items()}
+    return {int(m): tiles_from_json(entry) for m, entry in json.loads(path.read_text()).items()}
+
+
+def tiles_from_json(entry: dict) -> MoeTiles:
+    """A table entry: {"up": {...}, "down": {...}}, or one config for both (older tables)."""
+    if "up" in entry:
+        return MoeTiles(MoeTileConfig(**entry["up"]), MoeTileConfig(**entry["down"]))
+    return MoeTiles.same(MoeTileConfig(**entry))
+
+
+def tiles_to_json(tiles: MoeTiles) -> dict:
+    return {"up": dataclasses.asdict(tiles.up), "down": dataclasses.asdict(tiles.down)}

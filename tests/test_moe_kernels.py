@@ -13,9 +13,12 @@ import torch
 from asyncllm.layers.fused_moe.torch_experts import torch_experts
 from kernels.fused_moe import (
     MoeTileConfig,
+    MoeTiles,
     align_by_expert,
     default_tile_config,
     fused_experts,
+    tiles_from_json,
+    tiles_to_json,
     uses_one_pair_tiles,
 )
 
@@ -26,6 +29,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # (experts, hidden, inner): inner not a multiple of the tiles, hidden not a power of two
 SHAPE = (8, 4096, 1792) if FULL else (5, 48, 40)
 SMALL_TILES = MoeTileConfig(16, 16, 16, 2, 4, 1)
+# each GEMM its own tiles: down's K (the inner size) not a multiple of its BLOCK_K on CPU
+MIXED_TILES = MoeTiles(MoeTileConfig(16, 32, 16, 1, 4, 1), MoeTileConfig(16, 16, 32, 4, 4, 2))
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -60,13 +65,17 @@ ROUTINGS = {
 
 
 @pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("tiles", ["small", "default"])
+@pytest.mark.parametrize("tiles", ["small", "mixed", "default"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) -> None:
     topk_weights, topk_ids = routing(ROUTINGS[name])
     w13, w2 = weights(dtype)
     x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE).to(dtype)
-    config = SMALL_TILES if tiles == "small" else default_tile_config(x.shape[0])
+    config = {
+        "small": MoeTiles.same(SMALL_TILES),
+        "mixed": MIXED_TILES,
+        "default": MoeTiles.same(default_tile_config(x.shape[0])),
+    }[tiles]
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert out.shape == ref.shape and out.dtype == dtype
@@ -93,16 +102,19 @@ def test_alignment_pads_each_expert_to_the_block() -> None:
 def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatch) -> None:
     import kernels.fused_moe as fused_moe
 
-    table = {"1": SMALL_TILES.__dict__, "64": MoeTileConfig(32, 64, 64, 8, 4, 3).__dict__}
+    decode = MoeTiles(SMALL_TILES, MoeTileConfig(16, 128, 64, 1, 4, 4))
+    table = {"1": tiles_to_json(decode), "64": MoeTileConfig(32, 64, 64, 8, 4, 3).__dict__}
     name = fused_moe.config_file_name(8, 1792, 4096, "cpu")
     (tmp_path / name).write_text(json.dumps(table))
     monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
     fused_moe._config_table.cache_clear()
     try:
         cpu = torch.device("cpu")
-        assert fused_moe.tile_config(8, 1792, 4096, 3, cpu) == SMALL_TILES
-        assert fused_moe.tile_config(8, 1792, 4096, 50, cpu).block_m == 32
-        assert fused_moe.tile_config(8, 1024, 4096, 3, cpu) == default_tile_config(3)
+        assert fused_moe.tile_config(8, 1792, 4096, 3, cpu) == decode
+        prefill = fused_moe.tile_config(8, 1792, 4096, 50, cpu)  # one entry for both GEMMs
+        assert prefill.up == prefill.down and prefill.up.block_m == 32
+        default = MoeTiles.same(default_tile_config(3))
+        assert fused_moe.tile_config(8, 1024, 4096, 3, cpu) == default
     finally:
         fused_moe._config_table.cache_clear()
 
@@ -142,7 +154,8 @@ def test_one_pair_tiles_match_torch_when_pairs_share_experts(name, monkeypatch) 
     topk_weights, topk_ids = routing(ROUTINGS[name])
     w13, w2 = weights(torch.float32)
     x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE)
-    out = fused_experts(x, w13, w2, topk_weights, topk_ids, default_tile_config(1))
+    tiles = MoeTiles.same(default_tile_config(1))
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, tiles)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert relative_error(out, ref) < TOLERANCE[torch.float32]
 
@@ -161,3 +174,12 @@ def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
     assert fused_moe._stages_that_fit(tiles, 2, True, cuda) == 4  # bf16: 48 KB a stage
     assert fused_moe._stages_that_fit(tiles, 4, True, cuda) == 2  # fp32 gate and up: 96 KB
     assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
+
+
+def test_tiles_round_trip_through_the_table_format() -> None:
+    assert tiles_from_json(json.loads(json.dumps(tiles_to_json(MIXED_TILES)))) == MIXED_TILES
+
+
+def test_the_two_gemms_share_the_alignment_block() -> None:
+    with pytest.raises(ValueError, match="block_m"):
+        MoeTiles(SMALL_TILES, MoeTileConfig(32, 16, 16, 1, 4, 1))
