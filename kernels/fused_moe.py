@@ -279,7 +279,7 @@ def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
     return tl.load(ptrs) if EVEN_K else tl.load(ptrs, mask=k_mask, other=0.0)
 
 
-def _grouped_gemm(
+def grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
@@ -289,6 +289,8 @@ def _grouped_gemm(
     n: int,
     config: MoeTileConfig,
 ) -> None:
+    """One of fused_experts' two GEMMs: out [pairs, n] from a's rows (pair // rows_per_a) and
+    w [E, n or 2n, K]; w of 2n rows: silu(gate) * up; with topk_weights, times each pair's."""
     num_pairs = out.shape[0]
     silu_and_mul = w.shape[1] == 2 * n
     k = w.shape[2]
@@ -365,9 +367,9 @@ def fused_experts(
         return out.sum(1)
     alignment = align_for(topk_ids, tiles.up.block_m, num_experts)
     activated = torch.empty(num_tokens * top_k, inner, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
+    grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
     weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
-    _grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, tiles.down)
+    grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, tiles.down)
     return out.sum(1)
 
 

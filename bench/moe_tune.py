@@ -1,0 +1,312 @@
+"""The fused MoE's tile sweep: per shape and batch size, each grouped GEMM's tiles timed on
+their own, the fastest pair written where kernels.fused_moe.tile_config reads it.
+
+    python bench/moe_tune.py --shape qwen3-30b-a3b --out bench/results/moe_tune_qwen3-30b-a3b_h200.json
+
+For each batch size: for each row-tile height (block_m) that fits the experts' runs, the
+alignment, the gate/up GEMM under each of its candidate tiles and the down GEMM under each of
+its own, all CUDA-graph replayed; the best few of each again under other GROUP_M orders. The
+pair of the block_m whose alignment + up + down is least wins; then the whole fused_experts is
+timed with it, with the table it replaces (before) and with the default rule, in one process.
+The table file is rewritten after every size, so a run cut short keeps what it found.
+
+The candidates compile first, in a pool of processes (Triton's disk cache then serves the
+sweep): a config compiles once for all shapes and sizes, its integers being unspecialized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import multiprocessing
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+
+# run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.moe import (  # noqa: E402
+    DTYPE,
+    MOE_SHAPES,
+    MoeProblem,
+    expert_weights,
+    graph_seconds,
+    moe_geometry,
+    routed,
+    shape_config,
+)
+from kernels.fused_moe import (  # noqa: E402
+    CONFIG_DIR,
+    MoeTileConfig,
+    MoeTiles,
+    config_file_name,
+    default_tile_config,
+    tile_config,
+    tiles_to_json,
+    uses_one_pair_tiles,
+)
+
+TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+GROUP_ORDERS = [1, 16, 64]
+RETIMED = 2  # the best of each GEMM timed again under each GROUP_ORDERS (rows sorted by expert)
+
+# (block_m, block_n, block_k, num_warps, num_stages); group_m is swept apart (no compile)
+UP_TILES = [
+    # decode: memory-bound, more bytes in flight per stage, narrow N for more programs
+    (16, 32, 128, 4, 4),
+    (16, 32, 256, 4, 3),
+    (16, 64, 64, 4, 5),
+    (16, 64, 128, 4, 3),
+    (16, 64, 128, 4, 4),
+    (16, 64, 256, 4, 3),
+    (16, 128, 64, 4, 4),
+    (16, 128, 128, 8, 3),
+    (32, 64, 64, 4, 4),
+    (32, 64, 128, 4, 3),
+    (32, 128, 64, 4, 4),
+    (32, 128, 128, 8, 3),
+    # prefill: gate and up are two accumulators, so 128 x 128 holds 128 x 256 of output
+    (64, 64, 64, 4, 4),
+    (64, 64, 128, 4, 3),
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 4, 4),
+    (64, 128, 64, 8, 4),
+    (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+    (128, 64, 64, 8, 4),
+    (128, 64, 128, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 32, 8, 5),
+]
+DOWN_TILES = [
+    (16, 32, 128, 4, 4),
+    (16, 64, 64, 4, 5),
+    (16, 64, 128, 4, 4),
+    (16, 64, 256, 4, 3),
+    (16, 128, 64, 4, 4),
+    (16, 128, 128, 4, 3),
+    (16, 128, 128, 8, 3),
+    (16, 256, 64, 4, 4),
+    (32, 64, 128, 4, 3),
+    (32, 128, 64, 4, 4),
+    (32, 128, 128, 4, 3),
+    (32, 256, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 3),
+    (64, 256, 64, 4, 3),
+    (64, 256, 64, 8, 4),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+]
+
+
+def as_config(tile: tuple[int, ...], group_m: int = 8) -> MoeTileConfig:
+    block_m, block_n, block_k, num_warps, num_stages = tile
+    return MoeTileConfig(block_m, block_n, block_k, group_m, num_warps, num_stages)
+
+
+def row_heights(num_tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """The block_m worth timing: one pair a tile at a token or two; else heights near each
+    expert's run (rows_per_expert), where padding stays a fraction of the work."""
+    if uses_one_pair_tiles(num_tokens, top_k, num_experts):
+        return [16]
+    rows = num_tokens * top_k / num_experts
+    if rows < 24:
+        return [16, 32]
+    if rows < 48:
+        return [16, 32, 64]
+    if rows < 192:
+        return [32, 64, 128]
+    return [64, 128]
+
+
+def timed_tiles(gemm, alignment, tiles: list[tuple[int, ...]]) -> list[tuple[float, MoeTileConfig]]:
+    """Each tile under group_m 8, then (rows sorted by expert) the best RETIMED under every
+    GROUP_ORDERS; fastest first."""
+    timed = [_time_gemm(gemm, alignment, as_config(tile)) for tile in tiles]
+    timed = sorted((t for t in timed if t[0] is not None), key=lambda t: t[0])
+    orders = [] if alignment.one_pair_tiles else GROUP_ORDERS
+    for _, config in timed[:RETIMED]:
+        for group_m in orders:
+            result = _time_gemm(gemm, alignment, dataclasses.replace(config, group_m=group_m))
+            if result[0] is not None:
+                timed.append(result)
+    return sorted(timed, key=lambda t: t[0])
+
+
+def _time_gemm(gemm, alignment, config: MoeTileConfig) -> tuple[float | None, MoeTileConfig]:
+    try:
+        return graph_seconds(functools.partial(gemm, alignment, config)), config
+    except (triton.runtime.errors.OutOfResources, RuntimeError) as error:
+        print(f"    {config}: {type(error).__name__}", flush=True)
+        return None, config
+
+
+def tune_size(problem: MoeProblem, num_experts: int) -> dict:
+    """The fastest tiles at this size, and what each block_m's best came to."""
+    num_tokens, top_k = problem.ids.shape
+    per_height = {}
+    for block_m in row_heights(num_tokens, top_k, num_experts):
+        alignment = problem.align(block_m)
+        align_s = graph_seconds(functools.partial(problem.align, block_m))
+        up = timed_tiles(problem.up, alignment, [t for t in UP_TILES if t[0] == block_m])
+        down = timed_tiles(problem.down, alignment, [t for t in DOWN_TILES if t[0] == block_m])
+        if not up or not down:
+            continue
+        per_height[block_m] = {
+            "align_s": align_s,
+            "up_s": up[0][0],
+            "down_s": down[0][0],
+            "total_s": align_s + up[0][0] + down[0][0],
+            "tiles": MoeTiles(up[0][1], down[0][1]),
+            "up_runner_up": [dataclasses.asdict(c) | {"s": s} for s, c in up[1:4]],
+            "down_runner_up": [dataclasses.asdict(c) | {"s": s} for s, c in down[1:4]],
+        }
+        print(
+            f"  {num_tokens} tokens, block_m {block_m}: align {align_s * 1e6:.1f} up "
+            f"{up[0][0] * 1e6:.1f} down {down[0][0] * 1e6:.1f} us; {up[0][1]} / {down[0][1]}",
+            flush=True,
+        )
+    best = min(per_height.values(), key=lambda h: h["total_s"])
+    return {"best": best, "per_block_m": per_height}
+
+
+def whole_seconds(problem: MoeProblem, tiles: MoeTiles) -> float:
+    return graph_seconds(functools.partial(problem.whole, tiles), 10.0)
+
+
+def tune(shape: str, sizes: list[int]) -> dict:
+    _, config = shape_config(shape)
+    w13, w2, routing = expert_weights(config)
+    g = moe_geometry(config)
+    device_name = torch.cuda.get_device_name().replace(" ", "_")
+    path = CONFIG_DIR / config_file_name(g["experts"], g["inner"], config.hidden_size, device_name)
+    dims = (g["experts"], g["inner"], config.hidden_size)
+    before = {m: tile_config(*dims, m, w13.device, g["top_k"]) for m in sizes}  # read once, cached
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table = {m: entry for m, entry in table.items() if int(m) not in sizes}
+    rows = []
+    for tokens in sizes:
+        problem = MoeProblem.make(*routed(config, tokens, routing), w13, w2)
+        found = tune_size(problem, g["experts"])
+        tiles = found["best"]["tiles"]
+        table[str(tokens)] = tiles_to_json(tiles)
+        path.write_text(
+            json.dumps(dict(sorted(table.items(), key=lambda e: int(e[0]))), indent=2) + "\n"
+        )
+        rows.append(_size_row(problem, tokens, g, tiles, before[tokens], found))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k.endswith("_s")}), flush=True)
+    print(f"wrote {path}", flush=True)
+    return {"table_file": path.name, "table": table, "sizes": rows}
+
+
+def _size_row(problem, tokens: int, g: dict, tiles: MoeTiles, old: MoeTiles, found: dict) -> dict:
+    """The winner against the tiles it replaces and the default rule, whole calls, one run."""
+    default = MoeTiles.same(default_tile_config(tokens, tokens * g["top_k"] / g["experts"]))
+    return {
+        "tokens": tokens,
+        "tuned_s": whole_seconds(problem, tiles),
+        "before_s": whole_seconds(problem, old),
+        "default_s": whole_seconds(problem, default),
+        "tiles": tiles_to_json(tiles),
+        "before_tiles": tiles_to_json(old),
+        "per_block_m": {
+            str(m): {k: v for k, v in h.items() if k != "tiles"}
+            | {"tiles": tiles_to_json(h["tiles"])}
+            for m, h in found["per_block_m"].items()
+        },
+    }
+
+
+# ---- compiling the candidates in parallel ----
+
+
+def precompile(shapes: list[str], workers: int) -> float:
+    """Every candidate of both GEMMs, both ways of tiling rows, compiled into Triton's disk cache
+    by a pool of processes on tiny problems with the shapes' own widths (so K's fit to BLOCK_K,
+    a compile-time flag, is the sweep's). Returns the seconds it took."""
+    start = datetime.datetime.now()
+    jobs = [(shape, tile) for shape in shapes for tile in sorted(set(UP_TILES) | set(DOWN_TILES))]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers) as pool:
+        for failed in pool.imap_unordered(_compile_job, jobs):
+            if failed:
+                print(f"  precompile: {failed}", flush=True)
+    return (datetime.datetime.now() - start).total_seconds()
+
+
+def _compile_job(job: tuple[str, tuple[int, ...]]) -> str:
+    shape, tile = job
+    try:
+        _, config = shape_config(shape)
+        g = moe_geometry(config)
+        hidden, inner, top_k = config.hidden_size, g["inner"], g["top_k"]
+        w13 = torch.empty(2, 2 * inner, hidden, device="cuda", dtype=DTYPE)
+        w2 = torch.empty(2, hidden, inner, device="cuda", dtype=DTYPE)
+        for tokens in (1, 64):  # one pair a tile, then sorted by expert (2 experts: 64 rows each)
+            ids = (torch.arange(tokens * top_k, device="cuda") % 2).view(tokens, top_k)
+            x = torch.zeros(tokens, hidden, device="cuda", dtype=DTYPE)
+            weights = torch.ones(tokens, top_k, device="cuda")
+            problem = MoeProblem.make(x, w13, w2, weights, ids.to(torch.int32))
+            alignment = problem.align(tile[0])
+            if alignment.one_pair_tiles and tile[0] != 16:  # the sweep's one-pair tiles
+                continue
+            if tile in UP_TILES:
+                problem.up(alignment, as_config(tile))
+            if tile in DOWN_TILES:
+                problem.down(alignment, as_config(tile))
+        torch.cuda.synchronize()
+        return ""
+    except Exception as error:  # noqa: BLE001 (a config that cannot compile is reported, skipped)
+        return f"{shape} {tile}: {type(error).__name__}: {str(error)[:200]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=MOE_SHAPES, nargs="+", required=True)
+    parser.add_argument("--sizes", type=int, nargs="*", default=TUNE_SIZES)
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    args = parser.parse_args()
+    result = {
+        "benchmark": "moe_tune",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "precompile_s": precompile(args.shape, args.workers) if args.workers > 1 else 0.0,
+        "shapes": {},
+    }
+    print(f"precompiled in {result['precompile_s']:.0f} s", flush=True)
+    for shape in args.shape:
+        result["shapes"][shape] = tune(shape, args.sizes)
+        if args.out:  # after every shape: a run cut short keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.out:
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
