@@ -44,14 +44,19 @@ class MoeTileConfig:
 class MoeTiles:
     """The tiles of the two grouped GEMMs: gate/up holds two accumulators and reads the hidden
     size, down one accumulator over the inner size, so they fit different tiles. They share
-    block_m: the alignment pads each expert's run to it."""
+    the alignment: each expert's run in full tiles of block_m, its rest padded to block_m, or
+    with tail_m to tiles of tail_m rows (fewer padded rows where runs are a tile or two long)."""
 
     up: MoeTileConfig
     down: MoeTileConfig
+    tail_m: int = 0
 
     def __post_init__(self) -> None:
-        if self.up.block_m != self.down.block_m:
-            raise ValueError(f"block_m differs: up {self.up.block_m}, down {self.down.block_m}")
+        block_m = self.up.block_m
+        if self.down.block_m != block_m:
+            raise ValueError(f"block_m differs: up {block_m}, down {self.down.block_m}")
+        if self.tail_m and (self.tail_m >= block_m or block_m % self.tail_m):
+            raise ValueError(f"tail_m {self.tail_m} does not divide block_m {block_m}")
 
     @classmethod
     def same(cls, config: MoeTileConfig) -> MoeTiles:
@@ -59,15 +64,24 @@ class MoeTiles:
 
 
 @dataclass(frozen=True)
+class RowTiles:
+    """Row tiles of one height over the sorted pairs: each one's first row and its expert."""
+
+    height: int
+    rows: torch.Tensor  # int32 [capacity]
+    experts: torch.Tensor  # int32 [capacity]
+    count: torch.Tensor  # int32 [1]: tiles in use (programs past it return)
+
+
+@dataclass(frozen=True)
 class ExpertAlignment:
-    """The (token, choice) pairs grouped by expert, each group padded to a multiple of block_m."""
+    """The (token, choice) pairs grouped by expert, each group padded to whole row tiles."""
 
     sorted_pair_ids: torch.Tensor  # int32 [max_padded]: pair index, num_pairs for padding
-    block_experts: torch.Tensor  # int32 [max_padded // block_m]: each row tile's expert
-    num_padded: torch.Tensor  # int32 [1]: rows in use (the rest are skipped)
-    # each row tile holds the one pair of its index (block_experts: the flat topk ids; the
-    # other two fields unused), so nothing is sorted: at a token or two the alignment's
-    # launches cost more than the GEMMs
+    tiles: tuple[RowTiles, ...]  # the full tiles, then (tail_m) the tails' tiles
+    # each row tile holds the one pair of its index (tiles[0].experts: the flat topk ids; the
+    # rest unused), so nothing is sorted: at a token or two the alignment's launches cost
+    # more than the GEMMs
     one_pair_tiles: bool = False
 
 
@@ -75,7 +89,7 @@ def pairs_as_tiles(topk_ids: torch.Tensor) -> ExpertAlignment:
     """The alignment with one pair per row tile, launch-free; it reads each pair's expert
     separately, so it is for pairs that rarely share an expert (see uses_one_pair_tiles)."""
     flat = topk_ids.flatten()
-    return ExpertAlignment(flat, flat, flat, one_pair_tiles=True)
+    return ExpertAlignment(flat, (RowTiles(16, flat, flat, flat),), one_pair_tiles=True)
 
 
 def uses_one_pair_tiles(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -84,41 +98,64 @@ def uses_one_pair_tiles(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return num_tokens * top_k <= max(num_experts // 4, top_k)
 
 
-def align_by_expert(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> ExpertAlignment:
-    """topk_ids [T, k] -> the pairs t * k + j sorted by expert (stable), padded per expert to
-    block_m. Three launches (chunk counts, prefix, placement) instead of a sort and a chain of
-    small torch ops, which cost more than the GEMMs themselves at a few hundred tokens."""
+def align_by_expert(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, tail_m: int = 0
+) -> ExpertAlignment:
+    """topk_ids [T, k] -> the pairs t * k + j sorted by expert (stable), each expert's run in
+    full tiles of block_m, its rest padded to block_m (one list of tiles), or with tail_m to
+    tail_m rows (a second list). Three launches (chunk counts, prefix, placement) instead of a
+    sort and a chain of small torch ops, which cost more than the GEMMs themselves at a few
+    hundred tokens."""
     flat = topk_ids.flatten()
     num_pairs = flat.numel()
-    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    pad_m = tail_m or block_m
+    max_padded = triton.cdiv(num_pairs + num_experts * (pad_m - 1), pad_m) * pad_m
+    if tail_m:
+        capacities = [
+            num_pairs // block_m,
+            min(max_padded // tail_m, num_experts * block_m // tail_m),
+        ]
+    else:
+        capacities = [max_padded // block_m, 0]
     block_e = max(16, next_pow2(num_experts))
     block_p = max(16, _ONE_HOT_ELEMENTS // block_e)
     num_chunks = triton.cdiv(num_pairs, block_p)
     device = flat.device
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    tile_rows = torch.empty(2, max(capacities), dtype=torch.int32, device=device)
+    tile_experts = torch.empty(2, max(capacities), dtype=torch.int32, device=device)
+    tile_counts = torch.empty(2, dtype=torch.int32, device=device)
     chunk_args = (flat, chunk_counts, sorted_ids, num_pairs)
     chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8}
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=False, **chunk_launch)
     _expert_prefix_kernel[(1,)](
         chunk_counts,
         sorted_ids,
-        block_experts,
-        num_padded,
+        tile_rows,
+        tile_experts,
+        tile_counts,
         num_chunks,
         num_pairs,
         max_padded,
+        *capacities,
+        tile_rows.stride(0),
         NUM_EXPERTS=num_experts,
         BLOCK_E=block_e,
         BLOCK_M=block_m,
+        TAIL_M=pad_m,
         BLOCK_C=16,
         BLOCK_T=64,
         num_warps=8,
     )
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=True, **chunk_launch)
-    return ExpertAlignment(sorted_ids, block_experts, num_padded)
+    heights = [block_m, tail_m]
+    tiles = tuple(
+        RowTiles(heights[i], tile_rows[i, :size], tile_experts[i, :size], tile_counts[i : i + 1])
+        for i, size in enumerate(capacities)
+        if size
+    )
+    return ExpertAlignment(sorted_ids, tiles)
 
 
 @triton.jit
@@ -152,44 +189,99 @@ def _expert_chunk_kernel(
 def _expert_prefix_kernel(
     chunk_counts_ptr,
     sorted_ids_ptr,
-    block_experts_ptr,
-    num_padded_ptr,
+    tile_rows_ptr,
+    tile_experts_ptr,
+    tile_counts_ptr,
     num_chunks,
     num_pairs,
     max_padded,
+    full_capacity,
+    tail_capacity,
+    stride_list,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Each expert's padded run, each row tile's expert, the padding sentinel, and the chunk
-    counts turned in place into each chunk's first row per expert."""
+    """Each expert's padded run, the two lists of row tiles (full BLOCK_M tiles, then the
+    TAIL_M tiles of each run's rest; with TAIL_M == BLOCK_M every tile is in the first), the
+    padding sentinel, and the chunk counts turned in place into each chunk's first row per
+    expert."""
     experts = tl.arange(0, BLOCK_E)
     chunks = tl.arange(0, BLOCK_C)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for c0 in range(0, num_chunks, BLOCK_C):
         rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         counts += tl.sum(tl.load(rows, mask=(c0 + chunks < num_chunks)[:, None], other=0), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)
-    base = padded_end - padded
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    # one height: the rest of a run padded to a whole tile; two: the rest goes to the tails
+    full = (counts + BLOCK_M - 1) // BLOCK_M if TAIL_M == BLOCK_M else counts // BLOCK_M
+    tails = (tl.maximum(counts - full * BLOCK_M, 0) + TAIL_M - 1) // TAIL_M
+    padded = full * BLOCK_M + tails * TAIL_M
+    base = tl.cumsum(padded, 0) - padded
+    _write_row_tiles(
+        tile_rows_ptr,
+        tile_experts_ptr,
+        full_capacity,
+        full,
+        base,
+        experts,
+        BLOCK_M,
+        NUM_EXPERTS,
+        BLOCK_T,
+    )
+    tail_base = base + full * BLOCK_M
+    tail_rows_ptr = tile_rows_ptr + stride_list
+    tail_experts_ptr = tile_experts_ptr + stride_list
+    _write_row_tiles(
+        tail_rows_ptr,
+        tail_experts_ptr,
+        tail_capacity,
+        tails,
+        tail_base,
+        experts,
+        TAIL_M,
+        NUM_EXPERTS,
+        BLOCK_T,
+    )
+    tl.store(tile_counts_ptr, tl.sum(full, 0))
+    tl.store(tile_counts_ptr + 1, tl.sum(tails, 0))
     for c0 in range(0, num_chunks, BLOCK_C):
         rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         mask = (c0 + chunks < num_chunks)[:, None]
         block = tl.load(rows, mask=mask, other=0)
         tl.store(rows, base[None, :] + tl.cumsum(block, 0) - block, mask=mask)
         base += tl.sum(block, 0)
-    tiles = tl.arange(0, BLOCK_T)
-    for t0 in range(0, max_padded // BLOCK_M, BLOCK_T):
-        start = (t0 + tiles) * BLOCK_M
-        expert = tl.sum((padded_end[None, :] <= start[:, None]).to(tl.int32), 1)
-        tile_mask = start < max_padded
-        tl.store(block_experts_ptr + t0 + tiles, tl.minimum(expert, NUM_EXPERTS - 1), tile_mask)
-    for r0 in range(0, max_padded, BLOCK_T * BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
+    for r0 in range(0, max_padded, BLOCK_T * TAIL_M):
+        rows = r0 + tl.arange(0, BLOCK_T * TAIL_M)
         tl.store(sorted_ids_ptr + rows, num_pairs, mask=rows < max_padded)
+
+
+@triton.jit
+def _write_row_tiles(
+    rows_ptr,
+    experts_ptr,
+    capacity,
+    tiles_per_expert,
+    first_row,
+    experts,
+    HEIGHT: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Tile j of the list: expert e's when j falls in e's share of the list (the tiles ordered
+    by expert); its first row, e's first_row plus HEIGHT for each earlier tile of e's."""
+    ends = tl.cumsum(tiles_per_expert, 0)
+    row_of_first = first_row - (ends - tiles_per_expert) * HEIGHT
+    for t0 in range(0, capacity, BLOCK_T):
+        tile = t0 + tl.arange(0, BLOCK_T)
+        expert = tl.sum((ends[None, :] <= tile[:, None]).to(tl.int32), 1)
+        mine = expert[:, None] == experts[None, :]
+        row = tl.sum(tl.where(mine, row_of_first[None, :], 0), 1) + tile * HEIGHT
+        mask = tile < capacity
+        tl.store(experts_ptr + tile, tl.minimum(expert, NUM_EXPERTS - 1), mask=mask)
+        tl.store(rows_ptr + tile, row, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "group_m"])
@@ -198,8 +290,9 @@ def _grouped_gemm_kernel(
     w_ptr,
     out_ptr,
     sorted_pair_ids_ptr,
-    block_experts_ptr,
-    num_padded_ptr,
+    tile_rows_ptr,
+    tile_experts_ptr,
+    num_tiles_ptr,
     topk_weights_ptr,
     num_pairs,
     rows_per_a,
@@ -242,13 +335,13 @@ def _grouped_gemm_kernel(
         pair = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int64)
         row_mask = tl.arange(0, BLOCK_M) == 0
     else:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        if pid_m >= tl.load(num_tiles_ptr):
             return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = tl.load(tile_rows_ptr + pid_m) + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
         row_mask = pair < num_pairs
         pair = tl.where(row_mask, pair, 0)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    expert = tl.load(tile_experts_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (pair // rows_per_a)[:, None] * stride_am
@@ -290,19 +383,42 @@ def grouped_gemm(
     config: MoeTileConfig,
 ) -> None:
     """One of fused_experts' two GEMMs: out [pairs, n] from a's rows (pair // rows_per_a) and
-    w [E, n or 2n, K]; w of 2n rows: silu(gate) * up; with topk_weights, times each pair's."""
+    w [E, n or 2n, K]; w of 2n rows: silu(gate) * up; with topk_weights, times each pair's.
+    One launch for each list of row tiles."""
+    for tiles in alignment.tiles:
+        if alignment.one_pair_tiles or tiles.height == config.block_m:
+            _launch_gemm(a, w, out, alignment, tiles, topk_weights, rows_per_a, n, config)
+        else:  # tails: of 16-64 rows, one warpgroup's MMA
+            tail = dataclasses.replace(
+                config, block_m=tiles.height, num_warps=min(config.num_warps, 4)
+            )
+            _launch_gemm(a, w, out, alignment, tiles, topk_weights, rows_per_a, n, tail)
+
+
+def _launch_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    alignment: ExpertAlignment,
+    tiles: RowTiles,
+    topk_weights: torch.Tensor | None,
+    rows_per_a: int,
+    n: int,
+    config: MoeTileConfig,
+) -> None:
     num_pairs = out.shape[0]
     silu_and_mul = w.shape[1] == 2 * n
     k = w.shape[2]
-    grid = (alignment.block_experts.numel() * triton.cdiv(n, config.block_n),)
+    grid = (tiles.experts.numel() * triton.cdiv(n, config.block_n),)
     pdl = uses_pdl(a.device)
     _grouped_gemm_kernel[grid](
         a,
         w,
         out,
         alignment.sorted_pair_ids,
-        alignment.block_experts,
-        alignment.num_padded,
+        tiles.rows,
+        tiles.experts,
+        tiles.count,
         topk_weights if topk_weights is not None else out,
         num_pairs,
         rows_per_a,
@@ -365,7 +481,7 @@ def fused_experts(
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out.sum(1)
-    alignment = align_for(topk_ids, tiles.up.block_m, num_experts)
+    alignment = align_for(topk_ids, tiles.up.block_m, num_experts, tiles.tail_m)
     activated = torch.empty(num_tokens * top_k, inner, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
     weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
@@ -373,13 +489,15 @@ def fused_experts(
     return out.sum(1)
 
 
-def align_for(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> ExpertAlignment:
+def align_for(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, tail_m: int = 0
+) -> ExpertAlignment:
     """The pairs as the grouped GEMMs read them: one a row tile at a token or two, else sorted
-    by expert and padded to block_m."""
+    by expert in tiles of block_m (and tail_m: see align_by_expert)."""
     num_tokens, top_k = topk_ids.shape
     if uses_one_pair_tiles(num_tokens, top_k, num_experts):
         return pairs_as_tiles(topk_ids)
-    return align_by_expert(topk_ids, block_m, num_experts)
+    return align_by_expert(topk_ids, block_m, num_experts, tail_m)
 
 
 def tile_config(
@@ -439,11 +557,14 @@ def _config_table(
 
 
 def tiles_from_json(entry: dict) -> MoeTiles:
-    """A table entry: {"up": {...}, "down": {...}}, or one config for both (older tables)."""
+    """A table entry: {"up": {...}, "down": {...}, "tail_m": n}, or one config for both
+    (older tables)."""
     if "up" in entry:
-        return MoeTiles(MoeTileConfig(**entry["up"]), MoeTileConfig(**entry["down"]))
+        up, down = MoeTileConfig(**entry["up"]), MoeTileConfig(**entry["down"])
+        return MoeTiles(up, down, entry.get("tail_m", 0))
     return MoeTiles.same(MoeTileConfig(**entry))
 
 
 def tiles_to_json(tiles: MoeTiles) -> dict:
-    return {"up": dataclasses.asdict(tiles.up), "down": dataclasses.asdict(tiles.down)}
+    up, down = dataclasses.asdict(tiles.up), dataclasses.asdict(tiles.down)
+    return {"up": up, "down": down, "tail_m": tiles.tail_m}

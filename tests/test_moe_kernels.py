@@ -31,6 +31,8 @@ SHAPE = (8, 4096, 1792) if FULL else (5, 48, 40)
 SMALL_TILES = MoeTileConfig(16, 16, 16, 2, 4, 1)
 # each GEMM its own tiles: down's K (the inner size) not a multiple of its BLOCK_K on CPU
 MIXED_TILES = MoeTiles(MoeTileConfig(16, 32, 16, 1, 4, 1), MoeTileConfig(16, 16, 32, 4, 4, 2))
+# full tiles of 32 rows and the runs' rest in tiles of 16
+TAILED_TILES = MoeTiles(MoeTileConfig(32, 16, 16, 2, 4, 1), MoeTileConfig(32, 32, 16, 1, 4, 1), 16)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -58,6 +60,8 @@ ROUTINGS = {
     "three_tokens_some_experts_idle": [[2, 0], [0, 2], [3, 1]],
     # expert 1 gets 19 pairs: more than one 16-row tile
     "one_expert_past_a_block": [[1, (t % 4) * (t % 2 == 0) + (t % 2 == 1) * 3] for t in range(19)],
+    # expert 2 gets 41 pairs: a full 32-row tile and a tail; the others 10-11 each
+    "one_expert_past_two_blocks": [[2, t % 4 if t % 4 != 2 else 4] for t in range(41)],
     "odd_batch_random": torch.stack(
         [torch.randperm(5, generator=torch.Generator().manual_seed(t))[:2] for t in range(37)]
     ).tolist(),
@@ -65,7 +69,7 @@ ROUTINGS = {
 
 
 @pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("tiles", ["small", "mixed", "default"])
+@pytest.mark.parametrize("tiles", ["small", "mixed", "tailed", "default"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) -> None:
     topk_weights, topk_ids = routing(ROUTINGS[name])
@@ -74,6 +78,7 @@ def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) ->
     config = {
         "small": MoeTiles.same(SMALL_TILES),
         "mixed": MIXED_TILES,
+        "tailed": TAILED_TILES,
         "default": MoeTiles.same(default_tile_config(x.shape[0])),
     }[tiles]
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
@@ -89,14 +94,33 @@ def test_no_tokens_give_an_empty_output() -> None:
     assert fused_experts(x, w13, w2, ids.float(), ids).shape == (0, SHAPE[1])
 
 
+def used_tiles(aligned) -> dict[int, list[tuple[int, int]]]:
+    """Each list's tiles in use: height -> [(first row, expert), ...]."""
+    return {
+        tiles.height: list(zip(tiles.rows.tolist(), tiles.experts.tolist(), strict=True))[
+            : int(tiles.count)
+        ]
+        for tiles in aligned.tiles
+    }
+
+
 def test_alignment_pads_each_expert_to_the_block() -> None:
     ids = torch.tensor([[2, 0], [0, 2], [3, 0]], dtype=torch.int32, device=DEVICE)
     aligned = align_by_expert(ids, block_m=4, num_experts=5)
-    assert int(aligned.num_padded) == 12  # experts 0, 2, 3: one 4-row tile each
+    # experts 0, 2, 3: one 4-row tile each
+    assert used_tiles(aligned) == {4: [(0, 0), (4, 2), (8, 3)]}
     sorted_ids = aligned.sorted_pair_ids.tolist()
     assert sorted_ids[:4] == [1, 2, 5, 6] and sorted_ids[4:8] == [0, 3, 6, 6]
     assert sorted_ids[8:12] == [4, 6, 6, 6]
-    assert aligned.block_experts.tolist()[:3] == [0, 2, 3]
+
+
+def test_tails_take_tiles_of_their_own_height() -> None:
+    # expert 0: 5 pairs (a full tile of 4 and a tail of 1), expert 1: 1 (a tail only),
+    # expert 3: 4 (a full tile, no tail); expert 2 idle
+    ids = torch.tensor([[0, 1]] + [[0, 3]] * 4, dtype=torch.int32, device=DEVICE)
+    aligned = align_by_expert(ids, block_m=4, num_experts=4, tail_m=2)
+    assert used_tiles(aligned) == {4: [(0, 0), (8, 3)], 2: [(4, 0), (6, 1)]}
+    assert aligned.sorted_pair_ids.tolist()[:12] == [0, 2, 4, 6, 8, 10, 1, 10, 3, 5, 7, 9]
 
 
 def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatch) -> None:
@@ -119,23 +143,29 @@ def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatc
         fused_moe._config_table.cache_clear()
 
 
+@pytest.mark.parametrize("tail_m", [0, 8])
 @pytest.mark.parametrize("num_experts,num_tokens", [(5, 700), (200, 600)])
-def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens) -> None:
+def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens, tail_m) -> None:
     # 1,400 pairs of 5 experts: two 1,024-pair chunks; of 200 experts: 19 chunks of 64, past
     # the prefix kernel's 16-chunk step; experts left idle either way
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, num_experts - 2, (num_tokens, 2), generator=gen, dtype=torch.int32)
-    aligned = align_by_expert(ids.to(DEVICE), block_m=16, num_experts=num_experts)
-    flat, expected, experts = ids.flatten(), [], []
+    aligned = align_by_expert(ids.to(DEVICE), 16, num_experts, tail_m)
+    flat, expected, tiles = ids.flatten(), [], {16: [], tail_m: []}
     for e in range(num_experts):
         run = (flat == e).nonzero().flatten().tolist()
-        run += [flat.numel()] * (-len(run) % 16)
+        full = len(run) // 16 if tail_m else -(-len(run) // 16)
+        tiles[16] += [(len(expected) + 16 * i, e) for i in range(full)]
+        height = tail_m or 16
+        run += [flat.numel()] * (-len(run) % height)
+        tail_start = len(expected) + 16 * full
+        tiles[tail_m] += [
+            (tail_start + height * i, e) for i in range((len(run) - 16 * full) // height)
+        ]
         expected += run
-        experts += [e] * (len(run) // 16)
-    assert int(aligned.num_padded) == len(expected)
+    assert used_tiles(aligned) == {h: t for h, t in tiles.items() if h}
     assert aligned.sorted_pair_ids.tolist()[: len(expected)] == expected
     assert set(aligned.sorted_pair_ids.tolist()[len(expected) :]) <= {flat.numel()}
-    assert aligned.block_experts.tolist()[: len(experts)] == experts
 
 
 def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
