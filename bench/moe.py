@@ -319,8 +319,8 @@ class MoeProblem:
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
-    def align(self, block_m: int) -> ExpertAlignment:
-        return align_for(self.ids, block_m, self.num_experts)
+    def align(self, block_m: int, tail_m: int = 0) -> ExpertAlignment:
+        return align_for(self.ids, block_m, self.num_experts, tail_m)
 
     def up(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
         top_k, inner = self.ids.shape[1], self.w2.shape[2]
@@ -354,14 +354,14 @@ def moe_traffic(g: dict, hidden: int, tokens: int, experts_read: int) -> dict:
 def phase_seconds(problem: MoeProblem, routing: RoutingConfig, logits, tiles: MoeTiles) -> dict:
     """Each phase of one call replayed alone; with the kernel's routing, the sum of the last
     five is what a layer's experts cost."""
-    alignment = problem.align(tiles.up.block_m)
+    alignment = problem.align(tiles.up.block_m, tiles.tail_m)
     sigmoid = routing.scoring == "sigmoid"
     return {
         "routing_torch_s": graph_seconds(lambda: torch_select_experts(logits, routing)),
         "routing_kernel_s": graph_seconds(
             lambda: route_top_k(logits, routing.top_k, sigmoid, routing.renormalize)
         ),
-        "align_s": graph_seconds(lambda: problem.align(tiles.up.block_m)),
+        "align_s": graph_seconds(lambda: problem.align(tiles.up.block_m, tiles.tail_m)),
         "up_s": graph_seconds(lambda: problem.up(alignment, tiles.up)),
         "down_s": graph_seconds(lambda: problem.down(alignment, tiles.down)),
         "top_k_sum_s": graph_seconds(problem.top_k_sum),

@@ -49,6 +49,7 @@ from kernels.fused_moe import (  # noqa: E402
     CONFIG_DIR,
     MoeTileConfig,
     MoeTiles,
+    align_for,
     config_file_name,
     default_tile_config,
     tile_config,
@@ -58,7 +59,7 @@ from kernels.fused_moe import (  # noqa: E402
 
 TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 GROUP_ORDERS = [1, 16, 64]
-RETIMED = 2  # the best of each GEMM timed again under each GROUP_ORDERS (rows sorted by expert)
+RETIMED = 2  # the winning alignment's best of each GEMM, timed again under each GROUP_ORDERS
 
 # (block_m, block_n, block_k, num_warps, num_stages); group_m is swept apart (no compile)
 UP_TILES = [
@@ -119,33 +120,26 @@ def as_config(tile: tuple[int, ...], group_m: int = 8) -> MoeTileConfig:
     return MoeTileConfig(block_m, block_n, block_k, group_m, num_warps, num_stages)
 
 
-def row_heights(num_tokens: int, top_k: int, num_experts: int) -> list[int]:
-    """The block_m worth timing: one pair a tile at a token or two; else heights near each
-    expert's run (rows_per_expert), where padding stays a fraction of the work."""
+def alignments(num_tokens: int, top_k: int, num_experts: int) -> list[tuple[int, int]]:
+    """The (block_m, tail_m) worth timing: one pair a tile at a token or two; else heights near
+    each expert's run (rows_per_expert), with and without tails, where padding stays a
+    fraction of the work."""
     if uses_one_pair_tiles(num_tokens, top_k, num_experts):
-        return [16]
+        return [(16, 0)]
     rows = num_tokens * top_k / num_experts
     if rows < 24:
-        return [16, 32]
+        return [(16, 0), (32, 0), (32, 16)]
     if rows < 48:
-        return [16, 32, 64]
+        return [(32, 0), (32, 16), (64, 16), (64, 32)]
     if rows < 192:
-        return [32, 64, 128]
-    return [64, 128]
+        return [(64, 0), (64, 16), (64, 32), (128, 0), (128, 32)]
+    return [(64, 0), (64, 16), (128, 0), (128, 16), (128, 32)]
 
 
-def timed_tiles(gemm, alignment, tiles: list[tuple[int, ...]]) -> list[tuple[float, MoeTileConfig]]:
-    """Each tile under group_m 8, then (rows sorted by expert) the best RETIMED under every
-    GROUP_ORDERS; fastest first."""
-    timed = [_time_gemm(gemm, alignment, as_config(tile)) for tile in tiles]
-    timed = sorted((t for t in timed if t[0] is not None), key=lambda t: t[0])
-    orders = [] if alignment.one_pair_tiles else GROUP_ORDERS
-    for _, config in timed[:RETIMED]:
-        for group_m in orders:
-            result = _time_gemm(gemm, alignment, dataclasses.replace(config, group_m=group_m))
-            if result[0] is not None:
-                timed.append(result)
-    return sorted(timed, key=lambda t: t[0])
+def timed_tiles(gemm, alignment, tiles: list[MoeTileConfig]) -> list[tuple[float, MoeTileConfig]]:
+    """Each config timed; fastest first."""
+    timed = [_time_gemm(gemm, alignment, config) for config in tiles]
+    return sorted((t for t in timed if t[0] is not None), key=lambda t: t[0])
 
 
 def _time_gemm(gemm, alignment, config: MoeTileConfig) -> tuple[float | None, MoeTileConfig]:
@@ -157,32 +151,54 @@ def _time_gemm(gemm, alignment, config: MoeTileConfig) -> tuple[float | None, Mo
 
 
 def tune_size(problem: MoeProblem, num_experts: int) -> dict:
-    """The fastest tiles at this size, and what each block_m's best came to."""
+    """The fastest tiles at this size: per alignment each GEMM's candidates (GROUP_M 8), the
+    alignment of least align + up + down, then its best RETIMED of each GEMM under every
+    GROUP_ORDERS (rows sorted by expert). Also what each alignment's best came to."""
     num_tokens, top_k = problem.ids.shape
-    per_height = {}
-    for block_m in row_heights(num_tokens, top_k, num_experts):
-        alignment = problem.align(block_m)
-        align_s = graph_seconds(functools.partial(problem.align, block_m))
-        up = timed_tiles(problem.up, alignment, [t for t in UP_TILES if t[0] == block_m])
-        down = timed_tiles(problem.down, alignment, [t for t in DOWN_TILES if t[0] == block_m])
+    options = {}
+    for block_m, tail_m in alignments(num_tokens, top_k, num_experts):
+        alignment = problem.align(block_m, tail_m)
+        align_s = graph_seconds(functools.partial(problem.align, block_m, tail_m))
+        up = timed_tiles(problem.up, alignment, [as_config(t) for t in UP_TILES if t[0] == block_m])
+        down_tiles = [as_config(t) for t in DOWN_TILES if t[0] == block_m]
+        down = timed_tiles(problem.down, alignment, down_tiles)
         if not up or not down:
             continue
-        per_height[block_m] = {
+        options[f"{block_m}+{tail_m}"] = {
             "align_s": align_s,
-            "up_s": up[0][0],
-            "down_s": down[0][0],
+            "up": up,
+            "down": down,
             "total_s": align_s + up[0][0] + down[0][0],
-            "tiles": MoeTiles(up[0][1], down[0][1]),
-            "up_runner_up": [dataclasses.asdict(c) | {"s": s} for s, c in up[1:4]],
-            "down_runner_up": [dataclasses.asdict(c) | {"s": s} for s, c in down[1:4]],
+            "alignment": alignment,
+            "tail_m": tail_m,
         }
         print(
-            f"  {num_tokens} tokens, block_m {block_m}: align {align_s * 1e6:.1f} up "
-            f"{up[0][0] * 1e6:.1f} down {down[0][0] * 1e6:.1f} us; {up[0][1]} / {down[0][1]}",
+            f"  {num_tokens} tokens, block_m {block_m} tail_m {tail_m}: align "
+            f"{align_s * 1e6:.1f} up {up[0][0] * 1e6:.1f} down {down[0][0] * 1e6:.1f} us; "
+            f"{up[0][1]} / {down[0][1]}",
             flush=True,
         )
-    best = min(per_height.values(), key=lambda h: h["total_s"])
-    return {"best": best, "per_block_m": per_height}
+    best = min(options.values(), key=lambda o: o["total_s"])
+    if not best["alignment"].one_pair_tiles:
+        best["up"] = _regrouped(problem.up, best["alignment"], best["up"])
+        best["down"] = _regrouped(problem.down, best["alignment"], best["down"])
+    tiles = MoeTiles(best["up"][0][1], best["down"][0][1], best["tail_m"])
+    return {"tiles": tiles, "options": {name: _summary(o) for name, o in options.items()}}
+
+
+def _regrouped(gemm, alignment, timed: list) -> list[tuple[float, MoeTileConfig]]:
+    configs = [dataclasses.replace(c, group_m=g) for _, c in timed[:RETIMED] for g in GROUP_ORDERS]
+    return sorted(timed + timed_tiles(gemm, alignment, configs), key=lambda t: t[0])
+
+
+def _summary(option: dict) -> dict:
+    """An alignment's times and its best few tiles of each GEMM, for the result file."""
+    times = {k: option[k] for k in ("align_s", "total_s")}
+    return times | {"up": _best_few(option["up"]), "down": _best_few(option["down"])}
+
+
+def _best_few(timed: list[tuple[float, MoeTileConfig]]) -> list[dict]:
+    return [dataclasses.asdict(config) | {"s": seconds} for seconds, config in timed[:3]]
 
 
 def whole_seconds(problem: MoeProblem, tiles: MoeTiles) -> float:
@@ -201,9 +217,10 @@ def tune(shape: str, sizes: list[int]) -> dict:
     table = {m: entry for m, entry in table.items() if int(m) not in sizes}
     rows = []
     for tokens in sizes:
-        problem = MoeProblem.make(*routed(config, tokens, routing), w13, w2)
+        x, weights, ids = routed(config, tokens, routing)
+        problem = MoeProblem.make(x, w13, w2, weights, ids)
         found = tune_size(problem, g["experts"])
-        tiles = found["best"]["tiles"]
+        tiles = found["tiles"]
         table[str(tokens)] = tiles_to_json(tiles)
         path.write_text(
             json.dumps(dict(sorted(table.items(), key=lambda e: int(e[0]))), indent=2) + "\n"
@@ -224,11 +241,7 @@ def _size_row(problem, tokens: int, g: dict, tiles: MoeTiles, old: MoeTiles, fou
         "default_s": whole_seconds(problem, default),
         "tiles": tiles_to_json(tiles),
         "before_tiles": tiles_to_json(old),
-        "per_block_m": {
-            str(m): {k: v for k, v in h.items() if k != "tiles"}
-            | {"tiles": tiles_to_json(h["tiles"])}
-            for m, h in found["per_block_m"].items()
-        },
+        "alignments": found["options"],
     }
 
 
@@ -254,25 +267,36 @@ def _compile_job(job: tuple[str, tuple[int, ...]]) -> str:
     try:
         _, config = shape_config(shape)
         g = moe_geometry(config)
-        hidden, inner, top_k = config.hidden_size, g["inner"], g["top_k"]
-        w13 = torch.empty(2, 2 * inner, hidden, device="cuda", dtype=DTYPE)
-        w2 = torch.empty(2, hidden, inner, device="cuda", dtype=DTYPE)
-        for tokens in (1, 64):  # one pair a tile, then sorted by expert (2 experts: 64 rows each)
-            ids = (torch.arange(tokens * top_k, device="cuda") % 2).view(tokens, top_k)
-            x = torch.zeros(tokens, hidden, device="cuda", dtype=DTYPE)
-            weights = torch.ones(tokens, top_k, device="cuda")
-            problem = MoeProblem.make(x, w13, w2, weights, ids.to(torch.int32))
-            alignment = problem.align(tile[0])
-            if alignment.one_pair_tiles and tile[0] != 16:  # the sweep's one-pair tiles
-                continue
-            if tile in UP_TILES:
-                problem.up(alignment, as_config(tile))
-            if tile in DOWN_TILES:
-                problem.down(alignment, as_config(tile))
+        tails = [0] + [t for t in (16, 32) if t < tile[0]]  # alignments()' tails
+        ids = torch.randint(0, g["experts"], (256, g["top_k"]), device="cuda", dtype=torch.int32)
+        for tail_m in tails:  # the alignment of the shape's expert count
+            align_for(ids, tile[0], g["experts"], tail_m)
+        for tokens in (1, 256):  # one pair a tile, then sorted by expert (2 experts)
+            problem = _two_expert_problem(config, tokens)
+            for tail_m in tails:
+                alignment = problem.align(tile[0], tail_m)
+                if alignment.one_pair_tiles and tile[0] != 16:  # the sweep's one-pair tiles
+                    continue
+                if tile in UP_TILES:
+                    problem.up(alignment, as_config(tile))
+                if tile in DOWN_TILES:
+                    problem.down(alignment, as_config(tile))
         torch.cuda.synchronize()
         return ""
     except Exception as error:  # noqa: BLE001 (a config that cannot compile is reported, skipped)
         return f"{shape} {tile}: {type(error).__name__}: {str(error)[:200]}"
+
+
+def _two_expert_problem(config, tokens: int) -> MoeProblem:
+    """The shape's widths (K's fit to BLOCK_K is a compile-time flag) over two experts."""
+    g = moe_geometry(config)
+    hidden, inner, top_k = config.hidden_size, g["inner"], g["top_k"]
+    w13 = torch.empty(2, 2 * inner, hidden, device="cuda", dtype=DTYPE)
+    w2 = torch.empty(2, hidden, inner, device="cuda", dtype=DTYPE)
+    ids = (torch.arange(tokens * top_k, device="cuda") % 2).view(tokens, top_k)
+    x = torch.zeros(tokens, hidden, device="cuda", dtype=DTYPE)
+    weights = torch.ones(tokens, top_k, device="cuda")
+    return MoeProblem.make(x, w13, w2, weights, ids.to(torch.int32))
 
 
 def main() -> None:

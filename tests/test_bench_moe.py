@@ -22,10 +22,12 @@ def test_traffic_counts_each_pair_and_each_expert_once() -> None:
     assert traffic["intermediate_bytes"] == 2 * 4096 * (768 + 2048) * 2
 
 
-def test_row_heights_follow_each_experts_run() -> None:
-    assert moe_tune.row_heights(1, 8, 128) == [16]  # one pair a tile
-    assert moe_tune.row_heights(2048, 8, 128) == [32, 64, 128]  # 128 rows an expert
-    assert moe_tune.row_heights(8192, 2, 8) == [64, 128]
+def test_alignments_follow_each_experts_run() -> None:
+    assert moe_tune.alignments(1, 8, 128) == [(16, 0)]  # one pair a tile
+    heights = {m for m, _ in moe_tune.alignments(2048, 8, 128)}  # 128 rows an expert
+    assert heights == {64, 128}
+    for block_m, tail_m in moe_tune.alignments(8192, 2, 8):
+        assert block_m >= 64 and (tail_m == 0 or block_m % tail_m == 0)
 
 
 def tiny_problem(num_tokens: int) -> MoeProblem:
@@ -53,10 +55,10 @@ def test_sweep_takes_each_gemms_fastest_tiles_of_one_block_m(num_tokens, monkeyp
     monkeypatch.setattr(moe_tune, "graph_seconds", seconds)
     problem = tiny_problem(num_tokens)
     found = moe_tune.tune_size(problem, problem.num_experts)
-    tiles = found["best"]["tiles"]
-    assert tiles.up.block_m == tiles.down.block_m
-    heights = moe_tune.row_heights(num_tokens, 2, problem.num_experts)
-    assert tiles.up.block_m in heights and set(found["per_block_m"]) == set(heights)
+    tiles = found["tiles"]
+    options = moe_tune.alignments(num_tokens, 2, problem.num_experts)
+    assert (tiles.up.block_m, tiles.tail_m) in options
+    assert set(found["options"]) == {f"{m}+{t}" for m, t in options}
     widest_up = max(t[1] for t in moe_tune.UP_TILES if t[0] == tiles.up.block_m)
     widest_down = max(t[1] for t in moe_tune.DOWN_TILES if t[0] == tiles.up.block_m)
     assert (tiles.up.block_n, tiles.down.block_n) == (widest_up, widest_down)
