@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._common import dot_precision, next_pow2, uses_pdl
 
@@ -38,6 +39,7 @@ class MoeTileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    weight_tma: bool = False  # weight tiles through Hopper's TMA unit (a host descriptor)
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,7 @@ def _grouped_gemm_kernel(
     group_m,
     N,
     K,
+    w_rows,
     stride_am,
     stride_we,
     stride_wn,
@@ -308,6 +311,7 @@ def _grouped_gemm_kernel(
     SILU_AND_MUL: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    WEIGHT_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -318,7 +322,9 @@ def _grouped_gemm_kernel(
     with SILU_AND_MUL, silu(gate) * up where the up row is n + N of the same expert.
 
     Only the store is masked: padding rows read row 0 of a and the columns past N wrap around
-    (both discarded), so the loads stay unpredicated where K is a multiple of BLOCK_K."""
+    (both discarded), so the loads stay unpredicated where K is a multiple of BLOCK_K. With
+    WEIGHT_TMA, w_ptr is a descriptor of the weights viewed [E * w_rows, K] (Hopper's TMA unit
+    copies each tile, zero past K; rows past N belong to the next rows, discarded too)."""
     if USE_PDL:  # every read below but the weights' is the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -345,18 +351,27 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (pair // rows_per_a)[:, None] * stride_am
-    w_cols = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn
+    if WEIGHT_TMA:
+        w_row = (expert * w_rows + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_cols = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_AND_MUL:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         a = _load_k_tile(a_rows + k[None, :], (k < K)[None, :], EVEN_K)
-        w = _load_k_tile(w_cols + k[:, None] * stride_wk, (k < K)[:, None], EVEN_K)
+        if WEIGHT_TMA:
+            w = w_ptr.load([w_row, k0]).T
+        else:
+            w = _load_k_tile(w_cols + k[:, None] * stride_wk, (k < K)[:, None], EVEN_K)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SILU_AND_MUL:
-            w_up = w_cols + N * stride_wn + k[:, None] * stride_wk
-            w_up = _load_k_tile(w_up, (k < K)[:, None], EVEN_K)
+            if WEIGHT_TMA:
+                w_up = w_ptr.load([w_row + N, k0]).T
+            else:
+                w_up = w_cols + N * stride_wn + k[:, None] * stride_wk
+                w_up = _load_k_tile(w_up, (k < K)[:, None], EVEN_K)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     if SILU_AND_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -411,9 +426,13 @@ def _launch_gemm(
     k = w.shape[2]
     grid = (tiles.experts.numel() * triton.cdiv(n, config.block_n),)
     pdl = uses_pdl(a.device)
+    if config.weight_tma:
+        w_arg = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k])
+    else:
+        w_arg = w
     _grouped_gemm_kernel[grid](
         a,
-        w,
+        w_arg,
         out,
         alignment.sorted_pair_ids,
         tiles.rows,
@@ -425,6 +444,7 @@ def _launch_gemm(
         config.group_m,
         n,
         k,
+        w.shape[1],
         a.stride(0),
         w.stride(0),
         w.stride(1),
@@ -434,6 +454,7 @@ def _launch_gemm(
         SILU_AND_MUL=silu_and_mul,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0,
+        WEIGHT_TMA=config.weight_tma,
         BLOCK_M=16 if alignment.one_pair_tiles else config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

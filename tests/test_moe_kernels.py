@@ -33,6 +33,13 @@ SMALL_TILES = MoeTileConfig(16, 16, 16, 2, 4, 1)
 MIXED_TILES = MoeTiles(MoeTileConfig(16, 32, 16, 1, 4, 1), MoeTileConfig(16, 16, 32, 4, 4, 2))
 # full tiles of 32 rows and the runs' rest in tiles of 16
 TAILED_TILES = MoeTiles(MoeTileConfig(32, 16, 16, 2, 4, 1), MoeTileConfig(32, 32, 16, 1, 4, 1), 16)
+# the weights through TMA descriptors, with tails; on CPU down's N (48) and K (40) are not
+# multiples of its 32-wide tiles: rows past N discarded, columns past K zero-filled
+TMA_TILES = MoeTiles(
+    MoeTileConfig(32, 32, 16, 2, 4, 2, weight_tma=True),
+    MoeTileConfig(32, 32, 32, 1, 4, 2, weight_tma=True),
+    16,
+)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,7 +76,7 @@ ROUTINGS = {
 
 
 @pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("tiles", ["small", "mixed", "tailed", "default"])
+@pytest.mark.parametrize("tiles", ["small", "mixed", "tailed", "tma", "default"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) -> None:
     topk_weights, topk_ids = routing(ROUTINGS[name])
@@ -79,6 +86,7 @@ def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) ->
         "small": MoeTiles.same(SMALL_TILES),
         "mixed": MIXED_TILES,
         "tailed": TAILED_TILES,
+        "tma": TMA_TILES,
         "default": MoeTiles.same(default_tile_config(x.shape[0])),
     }[tiles]
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
