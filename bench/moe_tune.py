@@ -3,12 +3,13 @@ their own, the fastest pair written where kernels.fused_moe.tile_config reads it
 
     python bench/moe_tune.py --shape qwen3-30b-a3b --out bench/results/moe_tune_qwen3-30b-a3b_h200.json
 
-For each batch size: for each row-tile height (block_m) that fits the experts' runs, the
-alignment, the gate/up GEMM under each of its candidate tiles and the down GEMM under each of
-its own, all CUDA-graph replayed; the best few of each again under other GROUP_M orders. The
-pair of the block_m whose alignment + up + down is least wins; then the whole fused_experts is
-timed with it, with the table it replaces (before) and with the default rule, in one process.
-The table file is rewritten after every size, so a run cut short keeps what it found.
+For each batch size: for each alignment that fits the experts' runs (block_m, with or without
+tails of tail_m rows), the alignment, the gate/up GEMM under each of its candidate tiles and
+the down GEMM under each of its own, all CUDA-graph replayed. The alignment whose align + up +
+down is least wins; its best few tiles of each GEMM are timed again under other GROUP_M orders
+and with the weights read through TMA descriptors. Then the whole fused_experts is timed with
+the winner, with the table it replaces (before) and with the default rule, in one process. The
+table file is rewritten after every size, so a run cut short keeps what it found.
 
 The candidates compile first, in a pool of processes (Triton's disk cache then serves the
 sweep): a config compiles once for all shapes and sizes, its integers being unspecialized.
@@ -59,7 +60,7 @@ from kernels.fused_moe import (  # noqa: E402
 
 TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 GROUP_ORDERS = [1, 16, 64]
-RETIMED = 2  # the winning alignment's best of each GEMM, timed again under each GROUP_ORDERS
+RETIMED = 2  # the winning alignment's best of each GEMM, timed again (see _refined)
 
 # (block_m, block_n, block_k, num_warps, num_stages); group_m is swept apart (no compile)
 UP_TILES = [
@@ -145,8 +146,8 @@ def timed_tiles(gemm, alignment, tiles: list[MoeTileConfig]) -> list[tuple[float
 def _time_gemm(gemm, alignment, config: MoeTileConfig) -> tuple[float | None, MoeTileConfig]:
     try:
         return graph_seconds(functools.partial(gemm, alignment, config)), config
-    except (triton.runtime.errors.OutOfResources, RuntimeError) as error:
-        print(f"    {config}: {type(error).__name__}", flush=True)
+    except Exception as error:  # noqa: BLE001 (a config that fails to compile or fit is skipped)
+        print(f"    {config}: {type(error).__name__}: {str(error)[:200]}", flush=True)
         return None, config
 
 
@@ -180,15 +181,25 @@ def tune_size(problem: MoeProblem, num_experts: int) -> dict:
         )
     best = min(options.values(), key=lambda o: o["total_s"])
     if not best["alignment"].one_pair_tiles:
-        best["up"] = _regrouped(problem.up, best["alignment"], best["up"])
-        best["down"] = _regrouped(problem.down, best["alignment"], best["down"])
+        best["up"] = _refined(problem.up, best["alignment"], best["up"])
+        best["down"] = _refined(problem.down, best["alignment"], best["down"])
     tiles = MoeTiles(best["up"][0][1], best["down"][0][1], best["tail_m"])
     return {"tiles": tiles, "options": {name: _summary(o) for name, o in options.items()}}
 
 
-def _regrouped(gemm, alignment, timed: list) -> list[tuple[float, MoeTileConfig]]:
-    configs = [dataclasses.replace(c, group_m=g) for _, c in timed[:RETIMED] for g in GROUP_ORDERS]
+def _refined(gemm, alignment, timed: list) -> list[tuple[float, MoeTileConfig]]:
+    """The best RETIMED again under each GROUP_ORDERS, and with their weights through TMA."""
+    configs = []
+    for _, config in timed[:RETIMED]:
+        configs += [dataclasses.replace(config, group_m=g) for g in GROUP_ORDERS]
+        if tma_fits(config):
+            configs.append(dataclasses.replace(config, weight_tma=True))
     return sorted(timed + timed_tiles(gemm, alignment, configs), key=lambda t: t[0])
+
+
+def tma_fits(config: MoeTileConfig) -> bool:
+    """A weight tile's rows of at most 128 bytes: one TMA box under the 128-byte swizzle."""
+    return config.block_k * 2 <= 128
 
 
 def _summary(option: dict) -> dict:
@@ -277,10 +288,12 @@ def _compile_job(job: tuple[str, tuple[int, ...]]) -> str:
                 alignment = problem.align(tile[0], tail_m)
                 if alignment.one_pair_tiles and tile[0] != 16:  # the sweep's one-pair tiles
                     continue
-                if tile in UP_TILES:
-                    problem.up(alignment, as_config(tile))
-                if tile in DOWN_TILES:
-                    problem.down(alignment, as_config(tile))
+                tma = {False, tma_fits(as_config(tile)) and not alignment.one_pair_tiles}
+                for variant in (dataclasses.replace(as_config(tile), weight_tma=t) for t in tma):
+                    if tile in UP_TILES:
+                        problem.up(alignment, variant)
+                    if tile in DOWN_TILES:
+                        problem.down(alignment, variant)
         torch.cuda.synchronize()
         return ""
     except Exception as error:  # noqa: BLE001 (a config that cannot compile is reported, skipped)
