@@ -64,7 +64,11 @@ RETIMED = 2  # the winning alignment's best of each GEMM, timed again (see _refi
 
 # (block_m, block_n, block_k, num_warps, num_stages); group_m is swept apart (no compile)
 UP_TILES = [
-    # decode: memory-bound, more bytes in flight per stage, narrow N for more programs
+    # decode: memory-bound, more bytes in flight per stage, narrow N for more programs (at one
+    # token of Qwen3-30B-A3B: 8 pairs x 768 / block_n, so 96 programs of 64 for 132 SMs)
+    (16, 16, 128, 4, 4),
+    (16, 16, 256, 4, 3),
+    (16, 32, 64, 4, 5),
     (16, 32, 128, 4, 4),
     (16, 32, 256, 4, 3),
     (16, 64, 64, 4, 5),
@@ -93,6 +97,7 @@ UP_TILES = [
 ]
 DOWN_TILES = [
     (16, 32, 128, 4, 4),
+    (16, 32, 256, 4, 3),
     (16, 64, 64, 4, 5),
     (16, 64, 128, 4, 4),
     (16, 64, 256, 4, 3),
