@@ -1,10 +1,13 @@
 """Fused mixture-of-experts: one grouped GEMM over all experts for gate/up (SiLU-and-mul fused)
 and one for down (routing weights applied), over the (token, choice) pairs sorted by expert.
 
-The pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M
-(align_by_expert), so every row tile of the grouped GEMM belongs to one expert and reads its
+The pairs are sorted by expert and each expert's run cut into row tiles (align_by_expert):
+full tiles of block_m, the rest padded to block_m or, with tail_m, to tiles of tail_m rows
+launched apart; so every row tile of the grouped GEMM belongs to one expert and reads its
 weights once; the padding rows hold a sentinel index past the last pair and are masked.
 At a token or two each row tile takes one pair instead, with no alignment launches at all.
+The two GEMMs take tiles of their own (MoeTiles), tuned per shape and batch size on the
+device (bench/moe_tune.py) into fused_moe_configs/.
 Everything stays on the device with fixed-size outputs: no host sync, so CUDA graphs capture it.
 """
 
