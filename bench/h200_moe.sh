@@ -1,41 +1,45 @@
 #!/usr/bin/env bash
-# Issue 22's MoE figures on one H200 (dummy bf16 weights), in two device calls:
-#   bench/h200_moe.sh OUT kernels   MoE GPU tests; the fused-MoE tile sweep (bench/moe_tune.py,
-#                                   14 batch sizes, three shapes: each GEMM's tiles apart); the
-#                                   kernel figures per shape with the new tables (phases, roofline).
-#                                   About 300 s, at most 355.
+# Issue 22's MoE figures on one H200 (dummy bf16 weights), in three device calls:
+#   bench/h200_moe.sh OUT kernels   GPU tests of the fused MoE, the routing kernel and the MoE
+#                                   models against HF; the tile sweep (bench/moe_tune.py, 14
+#                                   batch sizes, three shapes, each GEMM's tiles apart); the
+#                                   kernel figures per shape with the new tables (phases,
+#                                   roofline). About 250 s, at most 355.
 #   bench/h200_moe.sh OUT offline   the nano-vllm offline workload and batch-1 decode of
 #                                   DeepSeek-V2-Lite and Mixtral-8x7B (93 GB of dummy weights).
-#                                   At most 355 s. Run it in the call after `kernels` while the
-#                                   machine is warm: the sweep's compiled kernels are in its cache.
-#   bench/h200_moe.sh OUT qwen3     Qwen3-30B-A3B's offline workload and batch-1 again (the
-#                                   routing kernel's effect; 38% of the floor before). At most 170 s.
-# Run from the repository root. Each part runs under its own timeout; one failing part does not
-# stop the others. The sweep writes kernels/fused_moe_configs/*.json, returned as a tarball
-# (names with = and , do not come back from the device), and its log and JSON into OUT.
-set -uo pipefail
-out=$(realpath -m "$1") what=${2:-kernels}
-mkdir -p "$out"
+#                                   At most 355 s.
+#   bench/h200_moe.sh OUT engine    the MoE engine's GPU tests (graphs against eager, bf16 with
+#                                   async scheduling), then Qwen3-30B-A3B's offline workload and
+#                                   batch 1 again (the routing kernel; 38% of the floor before).
+#                                   At most 290 s.
+# Run the later parts while the machine is still warm from `kernels`: the tables it tuned are
+# in kernels/fused_moe_configs/ there and their kernels in Triton's cache (a fresh machine
+# compiles them at engine start). Run from the repository root. Each step runs under its own
+# timeout; one failing step does not stop the others. The tables come back as a tarball (names
+# with = and , do not return from the device); the sweep's log and JSON go to OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+set -uo pipefail
+out=$(realpath -m "$1") what=${2:-kernels}
+mkdir -p "$out"
 shapes=(qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b)
 start=$SECONDS
 
 case $what in
 kernels)
-  timeout 95 python3 -m pytest -rf -q -p no:cacheprovider tests/test_moe_kernels.py \
-    tests/test_moe_layer.py tests/test_moe_models.py tests/test_moe_engine.py tests/test_bench_moe.py \
-    -k "not equals_hf" > "$out/gpu_tests_moe_h200.txt" 2>&1
-  tail -3 "$out/gpu_tests_moe_h200.txt"
+  timeout 100 python3 -m pytest -rf -q -p no:cacheprovider tests/test_moe_kernels.py \
+    tests/test_moe_layer.py tests/test_bench_moe.py tests/test_moe_models.py \
+    > "$out/gpu_tests_moe_kernels_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_moe_kernels_h200.txt"
   echo "tests done at $((SECONDS - start)) s"
-  timeout 170 python3 bench/moe_tune.py --shape "${shapes[@]}" --out "$out/moe_tune_h200.json" \
+  timeout 160 python3 bench/moe_tune.py --shape "${shapes[@]}" --out "$out/moe_tune_h200.json" \
     > "$out/moe_tune_h200.txt" 2>&1
   grep -E "^(precompiled|wrote)" "$out/moe_tune_h200.txt"
   tar czf "$out/fused_moe_configs.tgz" kernels/fused_moe_configs
   echo "sweep done at $((SECONDS - start)) s"
   for shape in "${shapes[@]}"; do
-    timeout 28 python3 bench/moe.py kernels --shape "$shape" --out "$out/moe_kernels_${shape}_h200.json" \
+    timeout 30 python3 bench/moe.py kernels --shape "$shape" --out "$out/moe_kernels_${shape}_h200.json" \
       | grep -oE '"tokens": [0-9]+|"fraction_of_[a-z_]*": [0-9.]{4}' | paste -sd' '
   done
   ;;
@@ -48,13 +52,17 @@ offline)
     --out "$out/moe_offline_mixtral-8x7b_h200.json" > "$out/moe_offline_mixtral-8x7b_h200.txt" 2>&1
   tail -2 "$out/moe_offline_mixtral-8x7b_h200.txt"
   ;;
-qwen3)
+engine)
+  timeout 120 python3 -m pytest -rf -q -p no:cacheprovider tests/test_moe_engine.py -k "not equals_hf" \
+    > "$out/gpu_tests_moe_engine_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_moe_engine_h200.txt"
+  echo "tests done at $((SECONDS - start)) s"
   timeout 165 python3 bench/moe.py offline --shape qwen3-30b-a3b \
     --out "$out/moe_offline_qwen3-30b-a3b_h200.json" > "$out/moe_offline_qwen3-30b-a3b_h200.txt" 2>&1
   tail -2 "$out/moe_offline_qwen3-30b-a3b_h200.txt"
   ;;
 *)
-  echo "unknown part $what (kernels, offline, qwen3)" >&2
+  echo "unknown part $what (kernels, offline, engine)" >&2
   ;;
 esac
 echo "$what: $((SECONDS - start)) s"
