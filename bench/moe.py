@@ -440,18 +440,10 @@ def kernels_run(args) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("what", choices=["offline", "kernels"])
-    parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
-    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
-    args = parser.parse_args()
-    run = {"offline": offline, "kernels": kernels_run}[args.what]
-    result = {
-        "benchmark": f"moe_{args.what}",
-        "shape": args.shape,
+def result_header(benchmark: str) -> dict:
+    """What every result file of these benchmarks opens with: the run, the device, versions."""
+    return {
+        "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
         "device": torch.cuda.get_device_name(),
@@ -461,8 +453,19 @@ def main() -> None:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
-        **run(args),
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("what", choices=["offline", "kernels"])
+    parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    args = parser.parse_args()
+    run = {"offline": offline, "kernels": kernels_run}[args.what]
+    result = {**result_header(f"moe_{args.what}"), "shape": args.shape, **run(args)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -24,13 +24,10 @@ import functools
 import json
 import multiprocessing
 import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import transformers
-import triton
 
 # run as a script, bench/ heads sys.path, where kernels.py would shadow the kernels package
 if sys.path[0] == str(Path(__file__).resolve().parent):
@@ -43,6 +40,7 @@ from bench.moe import (  # noqa: E402
     expert_weights,
     graph_seconds,
     moe_geometry,
+    result_header,
     routed,
     shape_config,
 )
@@ -327,16 +325,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
     result = {
-        "benchmark": "moe_tune",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "device": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
+        **result_header("moe_tune"),
         "precompile_s": precompile(args.shape, args.workers) if args.workers > 1 else 0.0,
         "shapes": {},
     }
