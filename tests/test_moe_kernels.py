@@ -214,10 +214,13 @@ def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
     assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
 
 
-def test_tiles_round_trip_through_the_table_format() -> None:
-    assert tiles_from_json(json.loads(json.dumps(tiles_to_json(MIXED_TILES)))) == MIXED_TILES
+@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES])
+def test_tiles_round_trip_through_the_table_format(tiles: MoeTiles) -> None:
+    assert tiles_from_json(json.loads(json.dumps(tiles_to_json(tiles)))) == tiles
 
 
 def test_the_two_gemms_share_the_alignment_block() -> None:
     with pytest.raises(ValueError, match="block_m"):
         MoeTiles(SMALL_TILES, MoeTileConfig(32, 16, 16, 1, 4, 1))
+    with pytest.raises(ValueError, match="tail_m"):
+        MoeTiles(SMALL_TILES, SMALL_TILES, tail_m=16)  # as tall as the full tiles
