@@ -10,8 +10,9 @@
 #                                   At most 355 s.
 #   bench/h200_moe.sh OUT engine    the MoE engine's GPU tests (graphs against eager, bf16 with
 #                                   async scheduling), then Qwen3-30B-A3B's offline workload and
-#                                   batch 1 again (the routing kernel; 38% of the floor before).
-#                                   At most 290 s.
+#                                   batch 1 again (the routing kernel; 38% of the floor before),
+#                                   and its batch-1 step profiled (kernels, launches a step).
+#                                   At most 355 s.
 # Run the later parts while the machine is still warm from `kernels`: the tables it tuned are
 # in kernels/fused_moe_configs/ there and their kernels in Triton's cache (a fresh machine
 # compiles them at engine start). Run from the repository root. Each step runs under its own
@@ -53,13 +54,17 @@ offline)
   tail -2 "$out/moe_offline_mixtral-8x7b_h200.txt"
   ;;
 engine)
-  timeout 120 python3 -m pytest -rf -q -p no:cacheprovider tests/test_moe_engine.py -k "not equals_hf" \
+  timeout 110 python3 -m pytest -rf -q -p no:cacheprovider tests/test_moe_engine.py -k "not equals_hf" \
     > "$out/gpu_tests_moe_engine_h200.txt" 2>&1
   tail -3 "$out/gpu_tests_moe_engine_h200.txt"
   echo "tests done at $((SECONDS - start)) s"
-  timeout 165 python3 bench/moe.py offline --shape qwen3-30b-a3b \
+  timeout 150 python3 bench/moe.py offline --shape qwen3-30b-a3b \
     --out "$out/moe_offline_qwen3-30b-a3b_h200.json" > "$out/moe_offline_qwen3-30b-a3b_h200.txt" 2>&1
   tail -2 "$out/moe_offline_qwen3-30b-a3b_h200.txt"
+  echo "qwen3 offline done at $((SECONDS - start)) s"
+  timeout 90 python3 bench/profile_decode.py --shape qwen3-30b-a3b --batch 1 --steps 64 \
+    --out "$out/profile_decode_qwen3-30b-a3b_h200.json" \
+    | grep -E '"(wall_ms_per_step|gpu_kernel_ms_per_step|gpu_kernel_launches_per_step)"'
   ;;
 *)
   echo "unknown part $what (kernels, offline, engine)" >&2
