@@ -128,9 +128,11 @@ def align_by_expert(
     device = flat.device
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    tile_rows = torch.empty(2, max(capacities), dtype=torch.int32, device=device)
-    tile_experts = torch.empty(2, max(capacities), dtype=torch.int32, device=device)
-    tile_counts = torch.empty(2, dtype=torch.int32, device=device)
+    # each list 16-byte aligned, whatever its capacity: Triton specializes pointers on it
+    stride = triton.cdiv(max(capacities), 4) * 4
+    tile_rows = torch.empty(2, stride, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(2, stride, dtype=torch.int32, device=device)
+    tile_counts = torch.empty(2, 4, dtype=torch.int32, device=device)
     chunk_args = (flat, chunk_counts, sorted_ids, num_pairs)
     chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8}
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=False, **chunk_launch)
@@ -144,7 +146,8 @@ def align_by_expert(
         num_pairs,
         max_padded,
         *capacities,
-        tile_rows.stride(0),
+        stride,
+        tile_counts.stride(0),
         NUM_EXPERTS=num_experts,
         BLOCK_E=block_e,
         BLOCK_M=block_m,
@@ -156,14 +159,14 @@ def align_by_expert(
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=True, **chunk_launch)
     heights = [block_m, tail_m]
     tiles = tuple(
-        RowTiles(heights[i], tile_rows[i, :size], tile_experts[i, :size], tile_counts[i : i + 1])
+        RowTiles(heights[i], tile_rows[i, :size], tile_experts[i, :size], tile_counts[i, :1])
         for i, size in enumerate(capacities)
         if size
     )
     return ExpertAlignment(sorted_ids, tiles)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _expert_chunk_kernel(
     ids_ptr,
     chunk_counts_ptr,
@@ -190,7 +193,18 @@ def _expert_chunk_kernel(
         tl.store(row, tl.sum(one_hot, 0))
 
 
-@triton.jit
+# sizes that vary with the batch: one compiled variant for all of them (Triton would specialize
+# each on divisibility by 16, compiling again inside a timed run at a new batch size)
+@triton.jit(
+    do_not_specialize=[
+        "num_chunks",
+        "num_pairs",
+        "max_padded",
+        "full_capacity",
+        "tail_capacity",
+        "stride_list",
+    ]
+)
 def _expert_prefix_kernel(
     chunk_counts_ptr,
     sorted_ids_ptr,
@@ -203,6 +217,7 @@ def _expert_prefix_kernel(
     full_capacity,
     tail_capacity,
     stride_list,
+    stride_counts,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -251,7 +266,7 @@ def _expert_prefix_kernel(
         BLOCK_T,
     )
     tl.store(tile_counts_ptr, tl.sum(full, 0))
-    tl.store(tile_counts_ptr + 1, tl.sum(tails, 0))
+    tl.store(tile_counts_ptr + stride_counts, tl.sum(tails, 0))
     for c0 in range(0, num_chunks, BLOCK_C):
         rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         mask = (c0 + chunks < num_chunks)[:, None]
