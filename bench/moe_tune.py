@@ -59,6 +59,7 @@ from kernels.fused_moe import (  # noqa: E402
 TUNE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 GROUP_ORDERS = [1, 16, 64]
 RETIMED = 2  # the winning alignment's best of each GEMM, timed again (see _refined)
+PRECOMPILE_WAIT_S = 60
 
 # (block_m, block_n, block_k, num_warps, num_stages); group_m is swept apart (no compile)
 UP_TILES = [
@@ -265,12 +266,20 @@ def _size_row(problem, tokens: int, g: dict, tiles: MoeTiles, old: MoeTiles, fou
 def precompile(shapes: list[str], workers: int) -> float:
     """Every candidate of both GEMMs, both ways of tiling rows, compiled into Triton's disk cache
     by a pool of processes on tiny problems with the shapes' own widths (so K's fit to BLOCK_K,
-    a compile-time flag, is the sweep's). Returns the seconds it took."""
+    a compile-time flag, is the sweep's). Returns the seconds it took. A worker that dies
+    never answers: past PRECOMPILE_WAIT_S without an answer the pool is given up, and the sweep
+    compiles what is left as it meets it."""
     start = datetime.datetime.now()
     jobs = [(shape, tile) for shape in shapes for tile in sorted(set(UP_TILES) | set(DOWN_TILES))]
     context = multiprocessing.get_context("spawn")
     with context.Pool(workers) as pool:
-        for failed in pool.imap_unordered(_compile_job, jobs):
+        answers = pool.imap_unordered(_compile_job, jobs)
+        for _ in jobs:
+            try:
+                failed = answers.next(timeout=PRECOMPILE_WAIT_S)
+            except multiprocessing.TimeoutError:
+                print(f"  precompile: no answer in {PRECOMPILE_WAIT_S} s, given up", flush=True)
+                break
             if failed:
                 print(f"  precompile: {failed}", flush=True)
     return (datetime.datetime.now() - start).total_seconds()
