@@ -75,9 +75,19 @@ ROUTINGS = {
 }
 
 
+# every tiling in fp32 under the interpreter; on a GPU, where each one compiles, the tuned
+# tables' bf16 with all of them and fp32 with two
+TILINGS = ["small", "mixed", "tailed", "tma", "default"]
+TILINGS_BY_DTYPE = [
+    (tiles, dtype)
+    for tiles in TILINGS
+    for dtype in DTYPES
+    if dtype == torch.bfloat16 or not FULL or tiles in ("small", "default")
+]
+
+
 @pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("tiles", ["small", "mixed", "tailed", "tma", "default"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles,dtype", TILINGS_BY_DTYPE)
 def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) -> None:
     topk_weights, topk_ids = routing(ROUTINGS[name])
     w13, w2 = weights(dtype)
