@@ -272,8 +272,9 @@ def graph_seconds(fn, rep_ms: float = 3.0, replays: int = 3) -> float:
     """Seconds per call of fn, the least of a few replays of a CUDA graph of about rep_ms of
     calls: do_bench_cudagraph's method in a fifth of its time, for sweeps of many settings."""
     fn()
-    estimate = max(_replay_ms(_graph_of(fn, 1)) for _ in range(2))
-    repeats = max(1, min(500, int(rep_ms / max(estimate, 1e-3))))
+    once = _graph_of(fn, 1)
+    estimate = max(_replay_ms(once) for _ in range(2))
+    repeats = max(1, min(200, int(rep_ms / max(estimate, 1e-3))))
     many = _graph_of(fn, repeats)
     return min(_replay_ms(many) for _ in range(replays)) / repeats / 1e3
 
