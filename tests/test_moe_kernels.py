@@ -40,6 +40,9 @@ TMA_TILES = MoeTiles(
     MoeTileConfig(32, 32, 32, 1, 4, 2, weight_tma=True),
     16,
 )
+# at one pair a tile (a token of two choices) the down GEMM sums them itself; down's K (40 on
+# CPU) past its 32-wide tile
+SUMMED_TILES = MoeTiles(SMALL_TILES, MoeTileConfig(16, 32, 32, 1, 4, 2), sum_in_down=True)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -77,7 +80,7 @@ ROUTINGS = {
 
 # every tiling in fp32 under the interpreter; on a GPU, where each one compiles, the tuned
 # tables' bf16 with all of them and fp32 with two
-TILINGS = ["small", "mixed", "tailed", "tma", "default"]
+TILINGS = ["small", "mixed", "tailed", "tma", "summed", "default"]
 TILINGS_BY_DTYPE = [
     (tiles, dtype)
     for tiles in TILINGS
@@ -97,6 +100,7 @@ def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) ->
         "mixed": MIXED_TILES,
         "tailed": TAILED_TILES,
         "tma": TMA_TILES,
+        "summed": SUMMED_TILES,
         "default": MoeTiles.same(default_tile_config(x.shape[0])),
     }[tiles]
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
@@ -194,15 +198,19 @@ def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
     assert default_tile_config(8).block_m == 16
 
 
+@pytest.mark.parametrize("sum_in_down", [False, True])
 @pytest.mark.parametrize("name", ["three_tokens_some_experts_idle", "odd_batch_random"])
-def test_one_pair_tiles_match_torch_when_pairs_share_experts(name, monkeypatch) -> None:
+def test_one_pair_tiles_match_torch_when_pairs_share_experts(
+    name, sum_in_down, monkeypatch
+) -> None:
     import kernels.fused_moe as fused_moe
 
     monkeypatch.setattr(fused_moe, "uses_one_pair_tiles", lambda *_: True)
     topk_weights, topk_ids = routing(ROUTINGS[name])
     w13, w2 = weights(torch.float32)
     x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE)
-    tiles = MoeTiles.same(default_tile_config(1))
+    config = default_tile_config(1)
+    tiles = MoeTiles(config, config, sum_in_down=sum_in_down)
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, tiles)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert relative_error(out, ref) < TOLERANCE[torch.float32]
@@ -224,7 +232,7 @@ def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
     assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
 
 
-@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES])
+@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES, SUMMED_TILES])
 def test_tiles_round_trip_through_the_table_format(tiles: MoeTiles) -> None:
     assert tiles_from_json(json.loads(json.dumps(tiles_to_json(tiles)))) == tiles
 
