@@ -59,6 +59,7 @@ from kernels.fused_moe import (  # noqa: E402
     align_for,
     fused_experts,
     grouped_gemm,
+    summed_down,
     tile_config,
     tiles_to_json,
 )
@@ -307,14 +308,16 @@ class MoeProblem:
     weights: torch.Tensor
     ids: torch.Tensor
     activated: torch.Tensor
-    out: torch.Tensor
+    out: torch.Tensor  # [pairs, H]: each pair's row
+    summed: torch.Tensor  # [T, H]: summed_down's
 
     @classmethod
     def make(cls, x, w13, w2, weights, ids) -> MoeProblem:
         pairs, inner, hidden = ids.numel(), w2.shape[2], w2.shape[1]
         activated = torch.randn(pairs, inner, device=x.device, dtype=x.dtype)
         out = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
-        return cls(x, w13, w2, weights, ids, activated, out)
+        summed = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
+        return cls(x, w13, w2, weights, ids, activated, out, summed)
 
     @property
     def num_experts(self) -> int:
@@ -330,6 +333,11 @@ class MoeProblem:
     def down(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
         weights, hidden = self.weights.flatten(), self.w2.shape[1]
         grouped_gemm(self.activated, self.w2, self.out, alignment, weights, 1, hidden, config)
+
+    def summed_down(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
+        """down with the top-k sum in it (one pair a tile only; alignment unused)."""
+        ids, weights = self.ids.flatten(), self.weights.flatten()
+        summed_down(self.activated, self.w2, self.summed, ids, weights, config)
 
     def top_k_sum(self) -> torch.Tensor:
         return self.out.view(*self.ids.shape, -1).sum(1)
@@ -354,18 +362,23 @@ def moe_traffic(g: dict, hidden: int, tokens: int, experts_read: int) -> dict:
 
 def phase_seconds(problem: MoeProblem, routing: RoutingConfig, logits, tiles: MoeTiles) -> dict:
     """Each phase of one call replayed alone; with the kernel's routing, the sum of the last
-    five is what a layer's experts cost."""
+    four is what a layer's experts cost (one pair a tile: no alignment launches; with
+    sum_in_down, no top-k sum)."""
     alignment = problem.align(tiles.up.block_m, tiles.tail_m)
     sigmoid = routing.scoring == "sigmoid"
+    one_pair, summed = alignment.one_pair_tiles, alignment.one_pair_tiles and tiles.sum_in_down
+    down = problem.summed_down if summed else problem.down
     return {
         "routing_torch_s": graph_seconds(lambda: torch_select_experts(logits, routing)),
         "routing_kernel_s": graph_seconds(
             lambda: route_top_k(logits, routing.top_k, sigmoid, routing.renormalize)
         ),
-        "align_s": graph_seconds(lambda: problem.align(tiles.up.block_m, tiles.tail_m)),
+        "align_s": 0.0
+        if one_pair
+        else graph_seconds(lambda: problem.align(tiles.up.block_m, tiles.tail_m)),
         "up_s": graph_seconds(lambda: problem.up(alignment, tiles.up)),
-        "down_s": graph_seconds(lambda: problem.down(alignment, tiles.down)),
-        "top_k_sum_s": graph_seconds(problem.top_k_sum),
+        "down_s": graph_seconds(lambda: down(alignment, tiles.down)),
+        "top_k_sum_s": 0.0 if summed else graph_seconds(problem.top_k_sum),
     }
 
 

@@ -157,37 +157,49 @@ def _time_gemm(gemm, alignment, config: MoeTileConfig) -> tuple[float | None, Mo
 
 def tune_size(problem: MoeProblem, num_experts: int) -> dict:
     """The fastest tiles at this size: per alignment each GEMM's candidates (GROUP_M 8), the
-    alignment of least align + up + down, then its best RETIMED of each GEMM under every
-    GROUP_ORDERS (rows sorted by expert). Also what each alignment's best came to."""
+    alignment of least align + up + down + top-k sum (at one pair a tile, also down with the
+    sum in it), then its best RETIMED of each GEMM under every GROUP_ORDERS (rows sorted by
+    expert). Also what each alignment's best came to."""
     num_tokens, top_k = problem.ids.shape
+    sum_s = graph_seconds(problem.top_k_sum)
     options = {}
     for block_m, tail_m in alignments(num_tokens, top_k, num_experts):
         alignment = problem.align(block_m, tail_m)
-        align_s = graph_seconds(functools.partial(problem.align, block_m, tail_m))
+        one_pair = alignment.one_pair_tiles
+        align_s = (
+            0.0 if one_pair else graph_seconds(functools.partial(problem.align, block_m, tail_m))
+        )
         up = timed_tiles(problem.up, alignment, [as_config(t) for t in UP_TILES if t[0] == block_m])
         down_tiles = [as_config(t) for t in DOWN_TILES if t[0] == block_m]
-        down = timed_tiles(problem.down, alignment, down_tiles)
-        if not up or not down:
-            continue
-        options[f"{block_m}+{tail_m}"] = {
-            "align_s": align_s,
-            "up": up,
-            "down": down,
-            "total_s": align_s + up[0][0] + down[0][0],
-            "alignment": alignment,
-            "tail_m": tail_m,
-        }
-        print(
-            f"  {num_tokens} tokens, block_m {block_m} tail_m {tail_m}: align "
-            f"{align_s * 1e6:.1f} up {up[0][0] * 1e6:.1f} down {down[0][0] * 1e6:.1f} us; "
-            f"{up[0][1]} / {down[0][1]}",
-            flush=True,
-        )
+        downs = {"": (problem.down, sum_s)}
+        if one_pair:
+            downs["+sum"] = (problem.summed_down, 0.0)
+        for suffix, (gemm, after_s) in downs.items():
+            down = timed_tiles(gemm, alignment, down_tiles)
+            if not up or not down:
+                continue
+            name = f"{block_m}+{tail_m}{suffix}"
+            options[name] = {
+                "align_s": align_s,
+                "up": up,
+                "down": down,
+                "total_s": align_s + up[0][0] + down[0][0] + after_s,
+                "alignment": alignment,
+                "tail_m": tail_m,
+                "sum_in_down": bool(suffix),
+            }
+            print(
+                f"  {num_tokens} tokens, {name}: align {align_s * 1e6:.1f} up "
+                f"{up[0][0] * 1e6:.1f} down {down[0][0] * 1e6:.1f} sum {after_s * 1e6:.1f} us; "
+                f"{up[0][1]} / {down[0][1]}",
+                flush=True,
+            )
     best = min(options.values(), key=lambda o: o["total_s"])
     if not best["alignment"].one_pair_tiles:
         best["up"] = _refined(problem.up, best["alignment"], best["up"])
         best["down"] = _refined(problem.down, best["alignment"], best["down"])
-    tiles = MoeTiles(best["up"][0][1], best["down"][0][1], best["tail_m"])
+    up, down = best["up"][0][1], best["down"][0][1]
+    tiles = MoeTiles(up, down, best["tail_m"], best["sum_in_down"])
     return {"tiles": tiles, "options": {name: _summary(o) for name, o in options.items()}}
 
 
@@ -306,6 +318,8 @@ def _compile_job(job: tuple[str, tuple[int, ...]]) -> str:
                         problem.up(alignment, variant)
                     if tile in DOWN_TILES:
                         problem.down(alignment, variant)
+                    if tile in DOWN_TILES and alignment.one_pair_tiles:
+                        problem.summed_down(alignment, variant)
         torch.cuda.synchronize()
         return ""
     except Exception as error:  # noqa: BLE001 (a config that cannot compile is reported, skipped)
