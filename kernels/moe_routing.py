@@ -59,6 +59,7 @@ def _top_k_routing_kernel(
     for j in tl.static_range(TOP_K):
         best = tl.max(scores, 1)
         best_id = tl.min(tl.where(scores == best[:, None], experts[None, :], BLOCK_E), 1)
+        best_id = tl.minimum(best_id, num_experts - 1)  # a NaN row matches none: still an expert
         weights = tl.where(choices[None, :] == j, best[:, None], weights)
         ids = tl.where(choices[None, :] == j, best_id[:, None], ids)
         scores = tl.where(experts[None, :] == best_id[:, None], -2.0, scores)

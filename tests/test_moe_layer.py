@@ -92,3 +92,11 @@ def test_routing_kernel_reads_bfloat16_logits() -> None:
     picked = logits.gather(1, ids.long())
     assert torch.equal(picked, logits.gather(1, ref_ids.long()))
     torch.testing.assert_close(weights, ref_weights)
+
+
+def test_routing_kernel_keeps_a_nan_row_among_the_experts() -> None:
+    # a NaN score equals nothing, not even the row's max: the picked ids must still index weights
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    logits[1] = float("nan")
+    _, ids = route_top_k(logits.to(DEVICE), 4)
+    assert bool(((ids >= 0) & (ids < 20)).all())
