@@ -136,7 +136,9 @@ def align_by_expert(
     tile_experts = torch.empty(2, stride, dtype=torch.int32, device=device)
     tile_counts = torch.empty(2, 4, dtype=torch.int32, device=device)
     chunk_args = (flat, chunk_counts, sorted_ids, num_pairs)
-    chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8}
+    pdl = uses_pdl(device)
+    launch = {"USE_PDL": pdl, "launch_pdl": pdl}
+    chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8, **launch}
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=False, **chunk_launch)
     _expert_prefix_kernel[(1,)](
         chunk_counts,
@@ -157,6 +159,7 @@ def align_by_expert(
         BLOCK_C=16,
         BLOCK_T=64,
         num_warps=8,
+        **launch,
     )
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=True, **chunk_launch)
     heights = [block_m, tail_m]
@@ -177,10 +180,14 @@ def _expert_chunk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PLACE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One chunk of pairs: without PLACE, its count per expert; with PLACE (chunk_counts now
     holding each chunk's first row per expert), each pair's row: that base plus its rank among
     the chunk's earlier pairs of the same expert."""
+    if USE_PDL:  # every read here is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     chunk = tl.program_id(0)
     pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
     experts = tl.arange(0, BLOCK_E)
@@ -226,11 +233,15 @@ def _expert_prefix_kernel(
     TAIL_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Each expert's padded run, the two lists of row tiles (full BLOCK_M tiles, then the
     TAIL_M tiles of each run's rest; with TAIL_M == BLOCK_M every tile is in the first), the
     padding sentinel, and the chunk counts turned in place into each chunk's first row per
     expert."""
+    if USE_PDL:  # the counts are the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     experts = tl.arange(0, BLOCK_E)
     chunks = tl.arange(0, BLOCK_C)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
