@@ -393,7 +393,7 @@ def moe_kernel(config, rates: dict) -> list[dict]:
         tiles = tile_config(
             g["experts"], g["inner"], config.hidden_size, tokens, x.device, g["top_k"]
         )
-        seconds = time_call(problem.whole)
+        seconds = time_call(problem.whole, rep=20)
         experts_read = int(torch.unique(ids).numel())
         traffic = moe_traffic(g, config.hidden_size, tokens, experts_read)
         roofline = max(traffic["flops"] / matmul, traffic["least_bytes"] / copy)
@@ -449,7 +449,7 @@ def kernels_run(args) -> dict:
         "copy_bytes_per_s": copy_bandwidth(device),
     }
     result = {"rates": rates, "fused_moe": moe_kernel(config, rates)}
-    if config.model_type == "deepseek_v2":
+    if config.model_type == "deepseek_v2" and not args.no_mla:
         result["mla_decode"] = mla_kernel(config, rates)
     return result
 
@@ -476,6 +476,7 @@ def main() -> None:
     )
     parser.add_argument("what", choices=["offline", "kernels"])
     parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
+    parser.add_argument("--no-mla", action="store_true", help="kernels: the fused MoE only")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
     run = {"offline": offline, "kernels": kernels_run}[args.what]
