@@ -81,8 +81,9 @@ moe)
     tests/test_mla_kernels.py tests/test_mla_rope.py tests/test_moe_layer.py tests/test_moe_models.py \
     tests/test_moe_engine.py tests/test_gpu_engine.py -k "not equals_hf" > "$out/gpu_tests_moe_h200.txt" 2>&1
   tail -3 "$out/gpu_tests_moe_h200.txt"
-  for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do  # the table survives a timeout
-    timeout 70 python3 bench/moe.py tune --shape $shape > "$out/tune_$shape.txt" 2>&1
+  timeout 170 python3 bench/moe_tune.py --shape qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b \
+    --out "$out/moe_tune_h200.json" > "$out/moe_tune_h200.txt" 2>&1  # tables survive a timeout
+  for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do
     timeout 55 python3 bench/moe.py kernels --shape $shape --out "$out/moe_kernels_${shape}_h200.json" \
       | grep -oE '"(tokens|batch)": [0-9]+|"fraction[a-z_]*": [0-9.]{4}' | paste -sd' '
   done

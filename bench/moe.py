@@ -2,7 +2,8 @@
 
     python bench/moe.py offline --shape mixtral-8x7b --out bench/results/moe_offline_mixtral_h200.json
     python bench/moe.py kernels --shape qwen3-30b-a3b --out bench/results/moe_kernels_qwen3_h200.json
-    python bench/moe.py tune --shape deepseek-v2-lite   # writes kernels/fused_moe_configs/*.json
+
+(The fused MoE's tile sweep is bench/moe_tune.py.)
 
 offline: the nano-vllm workload (256 requests, prompt and output lengths uniform in 100-1024,
 random ids, ignore_eos) on a shape's dummy bf16 weights. Floor: prefill FLOPs (2 per active
@@ -15,17 +16,17 @@ weight-bandwidth floor (the weights one token reads, its k experts per layer).
 
 kernels: the fused MoE (CUDA-graph timed: the routing alignment and both grouped GEMMs) at
 decode sizes against the copy bandwidth over the experts it reads, at prefill sizes against the
-bf16 matmul rate; the paged MLA decode kernel (DeepSeek shapes) against the copy bandwidth over
-the latent cache it reads.
-
-tune: for each batch size (default 1, 8, 64, 512, 4096), the fastest of 5-6 tile configs of the
-fused MoE (the default rule's among them), written where kernels.fused_moe.tile_config reads it
-after each size; about a minute a shape, most of it compiling (cached for the next shapes).
+bf16 matmul rate, and at every size against its roofline: the larger of its FLOPs at the matmul
+rate and its least bytes (the experts read, x, the output) at the copy bandwidth. Each size's
+time is split into its phases, each replayed alone: the routing (torch ops and the kernel), the
+alignment, the gate/up GEMM, the down GEMM, the top-k sum. Then the paged MLA decode kernel
+(DeepSeek shapes) against the copy bandwidth over the latent cache it reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -43,6 +44,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from asyncllm.layers.fused_moe import RoutingConfig, select_experts  # noqa: E402
+from asyncllm.layers.fused_moe.routing import torch_select_experts  # noqa: E402
 from asyncllm.models.shapes import write_shape  # noqa: E402
 from bench.throughput import (  # noqa: E402
     copy_bandwidth,
@@ -51,20 +53,22 @@ from bench.throughput import (  # noqa: E402
     run_asyncllm,
 )
 from kernels.fused_moe import (  # noqa: E402
-    CONFIG_DIR,
+    ExpertAlignment,
     MoeTileConfig,
-    config_file_name,
-    default_tile_config,
+    MoeTiles,
+    align_for,
     fused_experts,
+    grouped_gemm,
+    summed_down,
     tile_config,
+    tiles_to_json,
 )
 from kernels.mla_decode import paged_mla_decode  # noqa: E402
+from kernels.moe_routing import route_top_k  # noqa: E402
 
 MOE_SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"]
 DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 PREFILL_SIZES = [512, 2048, 8192]
-TUNE_SIZES = [1, 8, 64, 512, 4096]
-TUNE_REP_MS = 10
 DTYPE = torch.bfloat16
 BYTES = 2
 
@@ -204,6 +208,7 @@ def offline(args) -> dict:
         profile_steps=False,
         single_stream=True,
         tensor_parallel_size=1,
+        quantization=None,
         disable_tqdm=True,
     )
     ours = run_asyncllm(str(path), workload, run_args)
@@ -264,26 +269,147 @@ def time_call(fn, *args, rep: int = 50) -> float:
     return do_bench_cudagraph(lambda: fn(*args), rep=rep) / 1e3
 
 
+def graph_seconds(fn, rep_ms: float = 3.0, replays: int = 3) -> float:
+    """Seconds per call of fn, the least of a few replays of a CUDA graph of about rep_ms of
+    calls: do_bench_cudagraph's method in a fifth of its time, for sweeps of many settings."""
+    fn()
+    once = _graph_of(fn, 1)
+    estimate = max(_replay_ms(once) for _ in range(2))
+    repeats = max(1, min(200, int(rep_ms / max(estimate, 1e-3))))
+    many = _graph_of(fn, repeats)
+    return min(_replay_ms(many) for _ in range(replays)) / repeats / 1e3
+
+
+def _graph_of(fn, repeats: int) -> torch.cuda.CUDAGraph:
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+@dataclasses.dataclass
+class MoeProblem:
+    """One shape at one batch size with fixed buffers, so that graphs can replay each phase."""
+
+    x: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    activated: torch.Tensor
+    out: torch.Tensor  # [pairs, H]: each pair's row
+    summed: torch.Tensor  # [T, H]: summed_down's
+
+    @classmethod
+    def make(cls, x, w13, w2, weights, ids) -> MoeProblem:
+        pairs, inner, hidden = ids.numel(), w2.shape[2], w2.shape[1]
+        activated = torch.randn(pairs, inner, device=x.device, dtype=x.dtype)
+        out = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
+        summed = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
+        return cls(x, w13, w2, weights, ids, activated, out, summed)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def align(self, block_m: int, tail_m: int = 0) -> ExpertAlignment:
+        return align_for(self.ids, block_m, self.num_experts, tail_m)
+
+    def up(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
+        top_k, inner = self.ids.shape[1], self.w2.shape[2]
+        grouped_gemm(self.x, self.w13, self.activated, alignment, None, top_k, inner, config)
+
+    def down(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
+        weights, hidden = self.weights.flatten(), self.w2.shape[1]
+        grouped_gemm(self.activated, self.w2, self.out, alignment, weights, 1, hidden, config)
+
+    def summed_down(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
+        """down with the top-k sum in it (one pair a tile only; alignment unused)."""
+        ids, weights = self.ids.flatten(), self.weights.flatten()
+        summed_down(self.activated, self.w2, self.summed, ids, weights, config)
+
+    def top_k_sum(self) -> torch.Tensor:
+        return self.out.view(*self.ids.shape, -1).sum(1)
+
+    def whole(self, tiles: MoeTiles | None = None) -> torch.Tensor:
+        return fused_experts(self.x, self.w13, self.w2, self.weights, self.ids, tiles)
+
+
+def moe_traffic(g: dict, hidden: int, tokens: int, experts_read: int) -> dict:
+    """FLOPs and bytes of the fused MoE at one size: the least bytes (each expert read once, x
+    read and the output written once) and what the two-GEMM form moves besides (the activated
+    rows written and read back, each pair's output written and read back by the top-k sum)."""
+    pairs = tokens * g["top_k"]
+    least = (experts_read * g["expert_weights"] + 2 * tokens * hidden) * BYTES
+    between = 2 * pairs * (g["inner"] + hidden) * BYTES
+    return {
+        "flops": 2 * pairs * g["expert_weights"],
+        "least_bytes": least,
+        "intermediate_bytes": between,
+    }
+
+
+def phase_seconds(problem: MoeProblem, routing: RoutingConfig, logits, tiles: MoeTiles) -> dict:
+    """Each phase of one call replayed alone; with the kernel's routing, the sum of the last
+    four is what a layer's experts cost (one pair a tile: no alignment launches; with
+    sum_in_down, no top-k sum)."""
+    alignment = problem.align(tiles.up.block_m, tiles.tail_m)
+    sigmoid = routing.scoring == "sigmoid"
+    one_pair, summed = alignment.one_pair_tiles, alignment.one_pair_tiles and tiles.sum_in_down
+    down = problem.summed_down if summed else problem.down
+    return {
+        "routing_torch_s": graph_seconds(lambda: torch_select_experts(logits, routing)),
+        "routing_kernel_s": graph_seconds(
+            lambda: route_top_k(logits, routing.top_k, sigmoid, routing.renormalize)
+        ),
+        "align_s": 0.0
+        if one_pair
+        else graph_seconds(lambda: problem.align(tiles.up.block_m, tiles.tail_m)),
+        "up_s": graph_seconds(lambda: problem.up(alignment, tiles.up)),
+        "down_s": graph_seconds(lambda: down(alignment, tiles.down)),
+        "top_k_sum_s": 0.0 if summed else graph_seconds(problem.top_k_sum),
+    }
+
+
 def moe_kernel(config, rates: dict) -> list[dict]:
     w13, w2, routing = expert_weights(config)
     g = moe_geometry(config)
+    matmul, copy = rates["matmul_flops_per_s"], rates["copy_bytes_per_s"]
     rows = []
     for tokens in DECODE_SIZES + PREFILL_SIZES:
         x, weights, ids = routed(config, tokens, routing)
-        seconds = time_call(fused_experts, x, w13, w2, weights, ids)
-        experts_read = int(torch.unique(ids).numel())
-        weight_bytes = experts_read * g["expert_weights"] * BYTES
-        flops = 2 * tokens * g["top_k"] * g["expert_weights"]
-        row = {"tokens": tokens, "seconds": seconds, "experts_read": experts_read}
-        if tokens in DECODE_SIZES:
-            row["fraction_of_copy_bandwidth"] = weight_bytes / seconds / rates["copy_bytes_per_s"]
-        else:
-            row["fraction_of_matmul_rate"] = flops / seconds / rates["matmul_flops_per_s"]
-        row["config"] = tile_config(
+        problem = MoeProblem.make(x, w13, w2, weights, ids)
+        tiles = tile_config(
             g["experts"], g["inner"], config.hidden_size, tokens, x.device, g["top_k"]
-        ).__dict__
+        )
+        seconds = time_call(problem.whole, rep=20)
+        experts_read = int(torch.unique(ids).numel())
+        traffic = moe_traffic(g, config.hidden_size, tokens, experts_read)
+        roofline = max(traffic["flops"] / matmul, traffic["least_bytes"] / copy)
+        row = {"tokens": tokens, "seconds": seconds, "experts_read": experts_read, **traffic}
+        row["roofline_seconds"] = roofline
+        row["fraction_of_roofline"] = roofline / seconds
+        weight_bytes = experts_read * g["expert_weights"] * BYTES
+        if tokens in DECODE_SIZES:
+            row["fraction_of_copy_bandwidth"] = weight_bytes / seconds / copy
+        else:
+            row["fraction_of_matmul_rate"] = traffic["flops"] / seconds / matmul
+        logits = torch.randn(tokens, g["experts"], device=x.device, dtype=DTYPE)
+        row["phases"] = phase_seconds(problem, routing, logits, tiles)
+        row["tiles"] = tiles_to_json(tiles)
         rows.append(row)
-        print(json.dumps(row))
+        print(json.dumps({k: v for k, v in row.items() if k != "tiles"}))
     return rows
 
 
@@ -323,90 +449,15 @@ def kernels_run(args) -> dict:
         "copy_bytes_per_s": copy_bandwidth(device),
     }
     result = {"rates": rates, "fused_moe": moe_kernel(config, rates)}
-    if config.model_type == "deepseek_v2":
+    if config.model_type == "deepseek_v2" and not args.no_mla:
         result["mla_decode"] = mla_kernel(config, rates)
     return result
 
 
-def tune_candidates(tokens: int, rows_per_expert: float) -> list[MoeTileConfig]:
-    """A handful of configs per regime, the default rule's first (so the table never loses to
-    it); the regimes share configs, so each one compiles once for all sizes (and shapes: the
-    sizes are runtime arguments)."""
-    if tokens <= 16:
-        grid = [
-            (16, 64, 128, 1, 4, 4),
-            (16, 128, 64, 1, 4, 4),
-            (16, 32, 128, 1, 4, 4),
-            (16, 64, 256, 1, 4, 3),
-            (16, 128, 128, 1, 8, 3),
-        ]
-    elif tokens <= 128:
-        grid = [
-            (16, 64, 128, 1, 4, 4),
-            (16, 128, 128, 1, 8, 3),
-            (32, 64, 64, 8, 4, 3),
-            (32, 128, 64, 8, 4, 4),
-            (64, 128, 64, 8, 4, 4),
-        ]
-    else:
-        grid = [
-            (32, 128, 64, 8, 4, 4),
-            (64, 128, 64, 8, 4, 4),
-            (64, 128, 64, 8, 8, 3),
-            (64, 256, 64, 16, 8, 3),
-            (128, 128, 64, 16, 8, 3),
-            (128, 128, 64, 8, 8, 4),
-        ]
-    first = default_tile_config(tokens, rows_per_expert)
-    return [first, *(c for c in map(lambda t: MoeTileConfig(*t), grid) if c != first)]
-
-
-def tune(args) -> dict:
-    """Per batch size: each candidate timed (short CUDA-graph runs), the table file rewritten
-    after every size, so a run cut short keeps what it found."""
-    _, config = shape_config(args.shape)
-    w13, w2, routing = expert_weights(config)
-    g = moe_geometry(config)
-    name = config_file_name(
-        g["experts"], g["inner"], config.hidden_size, torch.cuda.get_device_name().replace(" ", "_")
-    )
-    path = CONFIG_DIR / name
-    CONFIG_DIR.mkdir(exist_ok=True)
-    best: dict[int, dict] = {}
-    for tokens in args.batch_sizes or TUNE_SIZES:
-        x, weights, ids = routed(config, tokens, routing)
-        timed = []
-        for tiles in tune_candidates(tokens, tokens * g["top_k"] / g["experts"]):
-            try:
-                seconds = time_call(fused_experts, x, w13, w2, weights, ids, tiles, rep=TUNE_REP_MS)
-            except triton.runtime.errors.OutOfResources:
-                print(f"  {tokens} tokens: {tiles} out of resources", flush=True)
-                continue
-            print(f"  {tokens} tokens: {seconds * 1e6:.1f} us {tiles}", flush=True)
-            timed.append((seconds, tiles))
-        seconds, tiles = min(timed, key=lambda t: t[0])
-        best[tokens] = {**tiles.__dict__, "seconds": seconds}
-        print(f"{tokens} tokens: best {seconds * 1e6:.1f} us with {tiles}", flush=True)
-        existing = json.loads(path.read_text()) if path.exists() else {}
-        existing[str(tokens)] = tiles.__dict__
-        path.write_text(json.dumps(existing, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {path}")
-    return {"configs": best, "file": str(path)}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("what", choices=["offline", "kernels", "tune"])
-    parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
-    parser.add_argument("--batch-sizes", type=int, nargs="*", help="tune: these sizes only")
-    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
-    args = parser.parse_args()
-    run = {"offline": offline, "kernels": kernels_run, "tune": tune}[args.what]
-    result = {
-        "benchmark": f"moe_{args.what}",
-        "shape": args.shape,
+def result_header(benchmark: str) -> dict:
+    """What every result file of these benchmarks opens with: the run, the device, versions."""
+    return {
+        "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
         "device": torch.cuda.get_device_name(),
@@ -416,8 +467,20 @@ def main() -> None:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
-        **run(args),
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("what", choices=["offline", "kernels"])
+    parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
+    parser.add_argument("--no-mla", action="store_true", help="kernels: the fused MoE only")
+    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    args = parser.parse_args()
+    run = {"offline": offline, "kernels": kernels_run}[args.what]
+    result = {**result_header(f"moe_{args.what}"), "shape": args.shape, **run(args)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -23,6 +23,7 @@ _MODULE_OF = {
     "int4_gemm": "int4_kernels",
     "paged_mla_decode": "mla_decode",
     "write_latent_cache": "mla_decode",
+    "route_top_k": "moe_routing",
     "fused_add_rms_norm": "norm",
     "rms_norm": "norm",
     "paged_prefill_attention": "prefill_attention",

@@ -1,15 +1,19 @@
 """Fused mixture-of-experts: one grouped GEMM over all experts for gate/up (SiLU-and-mul fused)
 and one for down (routing weights applied), over the (token, choice) pairs sorted by expert.
 
-The pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M
-(align_by_expert), so every row tile of the grouped GEMM belongs to one expert and reads its
+The pairs are sorted by expert and each expert's run cut into row tiles (align_by_expert):
+full tiles of block_m, the rest padded to block_m or, with tail_m, to tiles of tail_m rows
+launched apart; so every row tile of the grouped GEMM belongs to one expert and reads its
 weights once; the padding rows hold a sentinel index past the last pair and are masked.
 At a token or two each row tile takes one pair instead, with no alignment launches at all.
+The two GEMMs take tiles of their own (MoeTiles), tuned per shape and batch size on the
+device (bench/moe_tune.py) into fused_moe_configs/.
 Everything stays on the device with fixed-size outputs: no host sync, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -19,8 +23,9 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._common import dot_precision, next_pow2
+from kernels._common import dot_precision, next_pow2, uses_pdl
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
 # chunk x experts one-hot tile of the alignment kernels: 16K int32 spread over the warps
@@ -37,18 +42,53 @@ class MoeTileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    weight_tma: bool = False  # weight tiles through Hopper's TMA unit (a host descriptor)
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """The tiles of the two grouped GEMMs: gate/up holds two accumulators and reads the hidden
+    size, down one accumulator over the inner size, so they fit different tiles. They share
+    the alignment: each expert's run in full tiles of block_m, its rest padded to block_m, or
+    with tail_m to tiles of tail_m rows (fewer padded rows where runs are a tile or two long)."""
+
+    up: MoeTileConfig
+    down: MoeTileConfig
+    tail_m: int = 0
+    # at one pair a tile: each down program sums its token's k choices (summed_down)
+    sum_in_down: bool = False
+
+    def __post_init__(self) -> None:
+        block_m = self.up.block_m
+        if self.down.block_m != block_m:
+            raise ValueError(f"block_m differs: up {block_m}, down {self.down.block_m}")
+        if self.tail_m and (self.tail_m >= block_m or block_m % self.tail_m):
+            raise ValueError(f"tail_m {self.tail_m} does not divide block_m {block_m}")
+
+    @classmethod
+    def same(cls, config: MoeTileConfig) -> MoeTiles:
+        return cls(config, config)
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """Row tiles of one height over the sorted pairs: each one's first row and its expert."""
+
+    height: int
+    rows: torch.Tensor  # int32 [capacity]
+    experts: torch.Tensor  # int32 [capacity]
+    count: torch.Tensor  # int32 [1]: tiles in use (programs past it return)
 
 
 @dataclass(frozen=True)
 class ExpertAlignment:
-    """The (token, choice) pairs grouped by expert, each group padded to a multiple of block_m."""
+    """The (token, choice) pairs grouped by expert, each group padded to whole row tiles."""
 
     sorted_pair_ids: torch.Tensor  # int32 [max_padded]: pair index, num_pairs for padding
-    block_experts: torch.Tensor  # int32 [max_padded // block_m]: each row tile's expert
-    num_padded: torch.Tensor  # int32 [1]: rows in use (the rest are skipped)
-    # each row tile holds the one pair of its index (block_experts: the flat topk ids; the
-    # other two fields unused), so nothing is sorted: at a token or two the alignment's
-    # launches cost more than the GEMMs
+    tiles: tuple[RowTiles, ...]  # the full tiles, then (tail_m) the tails' tiles
+    # each row tile holds the one pair of its index (tiles[0].experts: the flat topk ids; the
+    # rest unused), so nothing is sorted: at a token or two the alignment's launches cost
+    # more than the GEMMs
     one_pair_tiles: bool = False
 
 
@@ -56,7 +96,7 @@ def pairs_as_tiles(topk_ids: torch.Tensor) -> ExpertAlignment:
     """The alignment with one pair per row tile, launch-free; it reads each pair's expert
     separately, so it is for pairs that rarely share an expert (see uses_one_pair_tiles)."""
     flat = topk_ids.flatten()
-    return ExpertAlignment(flat, flat, flat, one_pair_tiles=True)
+    return ExpertAlignment(flat, (RowTiles(16, flat, flat, flat),), one_pair_tiles=True)
 
 
 def uses_one_pair_tiles(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -65,44 +105,73 @@ def uses_one_pair_tiles(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return num_tokens * top_k <= max(num_experts // 4, top_k)
 
 
-def align_by_expert(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> ExpertAlignment:
-    """topk_ids [T, k] -> the pairs t * k + j sorted by expert (stable), padded per expert to
-    block_m. Three launches (chunk counts, prefix, placement) instead of a sort and a chain of
-    small torch ops, which cost more than the GEMMs themselves at a few hundred tokens."""
+def align_by_expert(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, tail_m: int = 0
+) -> ExpertAlignment:
+    """topk_ids [T, k] -> the pairs t * k + j sorted by expert (stable), each expert's run in
+    full tiles of block_m, its rest padded to block_m (one list of tiles), or with tail_m to
+    tail_m rows (a second list). Three launches (chunk counts, prefix, placement) instead of a
+    sort and a chain of small torch ops, which cost more than the GEMMs themselves at a few
+    hundred tokens."""
     flat = topk_ids.flatten()
     num_pairs = flat.numel()
-    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    pad_m = tail_m or block_m
+    max_padded = triton.cdiv(num_pairs + num_experts * (pad_m - 1), pad_m) * pad_m
+    if tail_m:
+        capacities = [
+            num_pairs // block_m,
+            min(max_padded // tail_m, num_experts * block_m // tail_m),
+        ]
+    else:
+        capacities = [max_padded // block_m, 0]
     block_e = max(16, next_pow2(num_experts))
     block_p = max(16, _ONE_HOT_ELEMENTS // block_e)
     num_chunks = triton.cdiv(num_pairs, block_p)
     device = flat.device
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    # each list 16-byte aligned, whatever its capacity: Triton specializes pointers on it
+    stride = triton.cdiv(max(capacities), 4) * 4
+    tile_rows = torch.empty(2, stride, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(2, stride, dtype=torch.int32, device=device)
+    tile_counts = torch.empty(2, 4, dtype=torch.int32, device=device)
     chunk_args = (flat, chunk_counts, sorted_ids, num_pairs)
-    chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8}
+    pdl = uses_pdl(device)
+    launch = {"USE_PDL": pdl, "launch_pdl": pdl}
+    chunk_launch = {"BLOCK_E": block_e, "BLOCK_P": block_p, "num_warps": 8, **launch}
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=False, **chunk_launch)
     _expert_prefix_kernel[(1,)](
         chunk_counts,
         sorted_ids,
-        block_experts,
-        num_padded,
+        tile_rows,
+        tile_experts,
+        tile_counts,
         num_chunks,
         num_pairs,
         max_padded,
+        *capacities,
+        stride,
+        tile_counts.stride(0),
         NUM_EXPERTS=num_experts,
         BLOCK_E=block_e,
         BLOCK_M=block_m,
+        TAIL_M=pad_m,
         BLOCK_C=16,
         BLOCK_T=64,
         num_warps=8,
+        **launch,
     )
     _expert_chunk_kernel[(num_chunks,)](*chunk_args, PLACE=True, **chunk_launch)
-    return ExpertAlignment(sorted_ids, block_experts, num_padded)
+    heights = [block_m, tail_m]
+    tiles = tuple(
+        RowTiles(heights[i], tile_rows[i, :size], tile_experts[i, :size], tile_counts[i, :1])
+        for i, size in enumerate(capacities)
+        if size
+    )
+    return ExpertAlignment(sorted_ids, tiles)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _expert_chunk_kernel(
     ids_ptr,
     chunk_counts_ptr,
@@ -111,10 +180,14 @@ def _expert_chunk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PLACE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One chunk of pairs: without PLACE, its count per expert; with PLACE (chunk_counts now
     holding each chunk's first row per expert), each pair's row: that base plus its rank among
     the chunk's earlier pairs of the same expert."""
+    if USE_PDL:  # every read here is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     chunk = tl.program_id(0)
     pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
     experts = tl.arange(0, BLOCK_E)
@@ -129,115 +202,207 @@ def _expert_chunk_kernel(
         tl.store(row, tl.sum(one_hot, 0))
 
 
-@triton.jit
+# sizes that vary with the batch: one compiled variant for all of them (Triton would specialize
+# each on divisibility by 16, compiling again inside a timed run at a new batch size)
+@triton.jit(
+    do_not_specialize=[
+        "num_chunks",
+        "num_pairs",
+        "max_padded",
+        "full_capacity",
+        "tail_capacity",
+        "stride_list",
+    ]
+)
 def _expert_prefix_kernel(
     chunk_counts_ptr,
     sorted_ids_ptr,
-    block_experts_ptr,
-    num_padded_ptr,
+    tile_rows_ptr,
+    tile_experts_ptr,
+    tile_counts_ptr,
     num_chunks,
     num_pairs,
     max_padded,
+    full_capacity,
+    tail_capacity,
+    stride_list,
+    stride_counts,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Each expert's padded run, each row tile's expert, the padding sentinel, and the chunk
-    counts turned in place into each chunk's first row per expert."""
+    """Each expert's padded run, the two lists of row tiles (full BLOCK_M tiles, then the
+    TAIL_M tiles of each run's rest; with TAIL_M == BLOCK_M every tile is in the first), the
+    padding sentinel, and the chunk counts turned in place into each chunk's first row per
+    expert."""
+    if USE_PDL:  # the counts are the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     experts = tl.arange(0, BLOCK_E)
     chunks = tl.arange(0, BLOCK_C)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for c0 in range(0, num_chunks, BLOCK_C):
         rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         counts += tl.sum(tl.load(rows, mask=(c0 + chunks < num_chunks)[:, None], other=0), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)
-    base = padded_end - padded
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    # one height: the rest of a run padded to a whole tile; two: the rest goes to the tails
+    full = (counts + BLOCK_M - 1) // BLOCK_M if TAIL_M == BLOCK_M else counts // BLOCK_M
+    tails = (tl.maximum(counts - full * BLOCK_M, 0) + TAIL_M - 1) // TAIL_M
+    padded = full * BLOCK_M + tails * TAIL_M
+    base = tl.cumsum(padded, 0) - padded
+    _write_row_tiles(
+        tile_rows_ptr,
+        tile_experts_ptr,
+        full_capacity,
+        full,
+        base,
+        experts,
+        BLOCK_M,
+        NUM_EXPERTS,
+        BLOCK_T,
+    )
+    tail_base = base + full * BLOCK_M
+    tail_rows_ptr = tile_rows_ptr + stride_list
+    tail_experts_ptr = tile_experts_ptr + stride_list
+    _write_row_tiles(
+        tail_rows_ptr,
+        tail_experts_ptr,
+        tail_capacity,
+        tails,
+        tail_base,
+        experts,
+        TAIL_M,
+        NUM_EXPERTS,
+        BLOCK_T,
+    )
+    tl.store(tile_counts_ptr, tl.sum(full, 0))
+    tl.store(tile_counts_ptr + stride_counts, tl.sum(tails, 0))
     for c0 in range(0, num_chunks, BLOCK_C):
         rows = chunk_counts_ptr + (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         mask = (c0 + chunks < num_chunks)[:, None]
         block = tl.load(rows, mask=mask, other=0)
         tl.store(rows, base[None, :] + tl.cumsum(block, 0) - block, mask=mask)
         base += tl.sum(block, 0)
-    tiles = tl.arange(0, BLOCK_T)
-    for t0 in range(0, max_padded // BLOCK_M, BLOCK_T):
-        start = (t0 + tiles) * BLOCK_M
-        expert = tl.sum((padded_end[None, :] <= start[:, None]).to(tl.int32), 1)
-        tile_mask = start < max_padded
-        tl.store(block_experts_ptr + t0 + tiles, tl.minimum(expert, NUM_EXPERTS - 1), tile_mask)
-    for r0 in range(0, max_padded, BLOCK_T * BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_T * BLOCK_M)
+    for r0 in range(0, max_padded, BLOCK_T * TAIL_M):
+        rows = r0 + tl.arange(0, BLOCK_T * TAIL_M)
         tl.store(sorted_ids_ptr + rows, num_pairs, mask=rows < max_padded)
 
 
 @triton.jit
+def _write_row_tiles(
+    rows_ptr,
+    experts_ptr,
+    capacity,
+    tiles_per_expert,
+    first_row,
+    experts,
+    HEIGHT: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Tile j of the list: expert e's when j falls in e's share of the list (the tiles ordered
+    by expert); its first row, e's first_row plus HEIGHT for each earlier tile of e's."""
+    ends = tl.cumsum(tiles_per_expert, 0)
+    row_of_first = first_row - (ends - tiles_per_expert) * HEIGHT
+    for t0 in range(0, capacity, BLOCK_T):
+        tile = t0 + tl.arange(0, BLOCK_T)
+        expert = tl.sum((ends[None, :] <= tile[:, None]).to(tl.int32), 1)
+        mine = expert[:, None] == experts[None, :]
+        row = tl.sum(tl.where(mine, row_of_first[None, :], 0), 1) + tile * HEIGHT
+        mask = tile < capacity
+        tl.store(experts_ptr + tile, tl.minimum(expert, NUM_EXPERTS - 1), mask=mask)
+        tl.store(rows_ptr + tile, row, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "group_m"])
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
     out_ptr,
     sorted_pair_ids_ptr,
-    block_experts_ptr,
-    num_padded_ptr,
+    tile_rows_ptr,
+    tile_experts_ptr,
+    num_tiles_ptr,
     topk_weights_ptr,
     num_pairs,
+    rows_per_a,
+    group_m,
     N,
     K,
+    w_rows,
     stride_am,
     stride_we,
     stride_wn,
     stride_wk,
     stride_om,
-    ROWS_PER_A: tl.constexpr,
     ONE_PAIR_TILES: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    WEIGHT_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """out[pair, n] = a[pair // ROWS_PER_A] . w[expert(pair), n] for one BLOCK_M x BLOCK_N tile;
-    with SILU_AND_MUL, silu(gate) * up where the up row is n + N of the same expert."""
+    """out[pair, n] = a[pair // rows_per_a] . w[expert(pair), n] for one BLOCK_M x BLOCK_N tile;
+    with SILU_AND_MUL, silu(gate) * up where the up row is n + N of the same expert.
+
+    Only the store is masked: padding rows read row 0 of a and the columns past N wrap around
+    (both discarded), so the loads stay unpredicated where K is a multiple of BLOCK_K. With
+    WEIGHT_TMA, w_ptr is a descriptor of the weights viewed [E * w_rows, K] (Hopper's TMA unit
+    copies each tile, zero past K; rows past N belong to the next rows, discarded too)."""
+    if USE_PDL:  # every read below but the weights' is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    num_pid_m = tl.num_programs(0) // num_pid_n
+    # grouped ordering: group_m row tiles share each weight tile while it is in L2
+    group = pid // (group_m * num_pid_n)
+    first_m = group * group_m
+    group_size = min(num_pid_m - first_m, group_m)
+    pid_m = first_m + (pid % (group_m * num_pid_n)) % group_size
+    pid_n = (pid % (group_m * num_pid_n)) // group_size
     if ONE_PAIR_TILES:
         pair = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int64)
         row_mask = tl.arange(0, BLOCK_M) == 0
     else:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        if pid_m >= tl.load(num_tiles_ptr):
             return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = tl.load(tile_rows_ptr + pid_m) + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
         row_mask = pair < num_pairs
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        pair = tl.where(row_mask, pair, 0)
+    expert = tl.load(tile_experts_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + (pair // ROWS_PER_A)[:, None] * stride_am
-    w_cols = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    a_rows = a_ptr + (pair // rows_per_a)[:, None] * stride_am
+    if WEIGHT_TMA:
+        w_row = (expert * w_rows + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_cols = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_AND_MUL:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        k_mask = k < K
-        a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        a = _load_k_tile(a_rows + k[None, :], (k < K)[None, :], EVEN_K)
+        if WEIGHT_TMA:
+            w = w_ptr.load([w_row, k0]).T
+        else:
+            w = _load_k_tile(w_cols + k[:, None] * stride_wk, (k < K)[:, None], EVEN_K)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SILU_AND_MUL:
-            w_up = tl.load(w_cols + N * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            if WEIGHT_TMA:
+                w_up = w_ptr.load([w_row + N, k0]).T
+            else:
+                w_up = w_cols + N * stride_wn + k[:, None] * stride_wk
+                w_up = _load_k_tile(w_up, (k < K)[:, None], EVEN_K)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     if SILU_AND_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -245,10 +410,15 @@ def _grouped_gemm_kernel(
         routed = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * routed[:, None]
     out = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n < N)[None, :])
 
 
-def _grouped_gemm(
+@triton.jit
+def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
+    return tl.load(ptrs) if EVEN_K else tl.load(ptrs, mask=k_mask, other=0.0)
+
+
+def grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
@@ -258,36 +428,164 @@ def _grouped_gemm(
     n: int,
     config: MoeTileConfig,
 ) -> None:
+    """One of fused_experts' two GEMMs: out [pairs, n] from a's rows (pair // rows_per_a) and
+    w [E, n or 2n, K]; w of 2n rows: silu(gate) * up; with topk_weights, times each pair's.
+    One launch for each list of row tiles."""
+    for tiles in alignment.tiles:
+        if alignment.one_pair_tiles or tiles.height == config.block_m:
+            _launch_gemm(a, w, out, alignment, tiles, topk_weights, rows_per_a, n, config)
+        else:  # tails: of 16-64 rows, one warpgroup's MMA
+            tail = dataclasses.replace(
+                config, block_m=tiles.height, num_warps=min(config.num_warps, 4)
+            )
+            _launch_gemm(a, w, out, alignment, tiles, topk_weights, rows_per_a, n, tail)
+
+
+def _launch_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    alignment: ExpertAlignment,
+    tiles: RowTiles,
+    topk_weights: torch.Tensor | None,
+    rows_per_a: int,
+    n: int,
+    config: MoeTileConfig,
+) -> None:
     num_pairs = out.shape[0]
     silu_and_mul = w.shape[1] == 2 * n
-    grid = (alignment.block_experts.numel() * triton.cdiv(n, config.block_n),)
+    k = w.shape[2]
+    grid = (tiles.experts.numel() * triton.cdiv(n, config.block_n),)
+    pdl = uses_pdl(a.device)
+    if config.weight_tma:
+        w_arg = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k])
+    else:
+        w_arg = w
     _grouped_gemm_kernel[grid](
         a,
-        w,
+        w_arg,
         out,
         alignment.sorted_pair_ids,
-        alignment.block_experts,
-        alignment.num_padded,
+        tiles.rows,
+        tiles.experts,
+        tiles.count,
         topk_weights if topk_weights is not None else out,
         num_pairs,
+        rows_per_a,
+        config.group_m,
         n,
-        w.shape[2],
+        k,
+        w.shape[1],
         a.stride(0),
         w.stride(0),
         w.stride(1),
         w.stride(2),
         out.stride(0),
-        ROWS_PER_A=rows_per_a,
         ONE_PAIR_TILES=alignment.one_pair_tiles,
         SILU_AND_MUL=silu_and_mul,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        EVEN_K=k % config.block_k == 0,
+        WEIGHT_TMA=config.weight_tma,
         BLOCK_M=16 if alignment.one_pair_tiles else config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
         PRECISION=dot_precision(a.dtype),
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=_stages_that_fit(config, a.element_size(), silu_and_mul, a.device),
+        launch_pdl=pdl,
+    )
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _summed_down_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    expert_ids_ptr,
+    topk_weights_ptr,
+    num_tokens,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    TOP_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[t, n] = sum_j topk_weights[t, j] * a[t * TOP_K + j] . w[expert(t, j), n] for one
+    BLOCK_N slice of one token (row 0 of a BLOCK_M-row tile): the k choices in one loop over
+    (choice, K step), so that it pipelines as one, each step's product weighted as it lands."""
+    if USE_PDL:  # every read below but the weights' is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    token = tl.program_id(0) // num_pid_n
+    offs_n = (tl.program_id(0) % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.zeros((BLOCK_M,), dtype=tl.int64)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, TOP_K * k_steps):
+        pair = token * TOP_K + step // k_steps
+        k = (step % k_steps) * BLOCK_K + offs_k
+        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+        a_rows = a_ptr + (pair + rows)[:, None] * stride_am
+        a = _load_k_tile(a_rows + k[None, :], (k < K)[None, :], EVEN_K)
+        w_cols = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn
+        w = _load_k_tile(w_cols + k[:, None] * stride_wk, (k < K)[:, None], EVEN_K)
+        routed = tl.load(topk_weights_ptr + pair).to(tl.float32)
+        acc += tl.dot(a, w, input_precision=PRECISION) * routed
+    out = out_ptr + token * stride_om + offs_n[None, :] + rows[:, None]
+    row_mask = (tl.arange(0, BLOCK_M) == 0)[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask & (offs_n < N)[None, :])
+
+
+def summed_down(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: MoeTileConfig,
+) -> None:
+    """The down GEMM at one pair a tile with the top-k sum in it: out [T, n] from a [T * k, I]
+    and w [E, n, I]; expert_ids and topk_weights flat [T * k]. No [T, k, n] rows written and
+    read back, no sum launch; T * n / block_n programs instead of T * k * n / block_n."""
+    num_tokens, n = out.shape
+    k = w.shape[2]
+    pdl = uses_pdl(a.device)
+    _summed_down_kernel[(num_tokens * triton.cdiv(n, config.block_n),)](
+        a,
+        w,
+        out,
+        expert_ids,
+        topk_weights,
+        num_tokens,
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        TOP_K=expert_ids.numel() // num_tokens,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=16,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        PRECISION=dot_precision(a.dtype),
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=_stages_that_fit(config, a.element_size(), False, a.device),
+        launch_pdl=pdl,
     )
 
 
@@ -315,7 +613,7 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoeTileConfig | None = None,
+    tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])), e = topk_ids[t, j].
 
@@ -323,19 +621,31 @@ def fused_experts(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inner = two_i // 2
-    config = config or tile_config(num_experts, inner, hidden, num_tokens, x.device, top_k)
-    out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
+    tiles = tiles or tile_config(num_experts, inner, hidden, num_tokens, x.device, top_k)
     if num_tokens == 0:
-        return out.sum(1)
-    if uses_one_pair_tiles(num_tokens, top_k, num_experts):
-        alignment = pairs_as_tiles(topk_ids)
-    else:
-        alignment = align_by_expert(topk_ids, config.block_m, num_experts)
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
+    alignment = align_for(topk_ids, tiles.up.block_m, num_experts, tiles.tail_m)
     activated = torch.empty(num_tokens * top_k, inner, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, activated, alignment, None, top_k, inner, config)
+    grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
     weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
-    _grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, config)
+    if alignment.one_pair_tiles and tiles.sum_in_down:
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        summed_down(activated, w2, out, topk_ids.flatten(), weights, tiles.down)
+        return out
+    out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
+    grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, tiles.down)
     return out.sum(1)
+
+
+def align_for(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, tail_m: int = 0
+) -> ExpertAlignment:
+    """The pairs as the grouped GEMMs read them: one a row tile at a token or two, else sorted
+    by expert in tiles of block_m (and tail_m: see align_by_expert)."""
+    num_tokens, top_k = topk_ids.shape
+    if uses_one_pair_tiles(num_tokens, top_k, num_experts):
+        return pairs_as_tiles(topk_ids)
+    return align_by_expert(topk_ids, block_m, num_experts, tail_m)
 
 
 def tile_config(
@@ -345,14 +655,14 @@ def tile_config(
     num_tokens: int,
     device: torch.device,
     top_k: int = 1,
-) -> MoeTileConfig:
-    """The committed config for this shape on this device at the batch size measured nearest
+) -> MoeTiles:
+    """The committed tiles for this shape on this device at the batch size measured nearest
     in ratio (the sweep's sizes are powers of two and more), else a default by batch size."""
     table = _config_table(num_experts, inner, hidden, _device_name(device))
     if table:
         nearest = min(table, key=lambda m: abs(math.log(m / max(num_tokens, 1))))
         return table[nearest]
-    return default_tile_config(num_tokens, num_tokens * top_k / num_experts)
+    return MoeTiles.same(default_tile_config(num_tokens, num_tokens * top_k / num_experts))
 
 
 def default_tile_config(num_tokens: int, rows_per_expert: float | None = None) -> MoeTileConfig:
@@ -387,8 +697,22 @@ def _device_name(device: torch.device) -> str:
 @functools.lru_cache(maxsize=32)
 def _config_table(
     num_experts: int, inner: int, hidden: int, device_name: str
-) -> dict[int, MoeTileConfig]:
+) -> dict[int, MoeTiles]:
     path = CONFIG_DIR / config_file_name(num_experts, inner, hidden, device_name)
     if not path.exists():
         return {}
-    return {int(m): MoeTileConfig(**c) for m, c in json.loads(path.read_text()).items()}
+    return {int(m): tiles_from_json(entry) for m, entry in json.loads(path.read_text()).items()}
+
+
+def tiles_from_json(entry: dict) -> MoeTiles:
+    """A table entry: {"up": {...}, "down": {...}, "tail_m": n}, or one config for both
+    (older tables)."""
+    if "up" in entry:
+        up, down = MoeTileConfig(**entry["up"]), MoeTileConfig(**entry["down"])
+        return MoeTiles(up, down, entry.get("tail_m", 0), entry.get("sum_in_down", False))
+    return MoeTiles.same(MoeTileConfig(**entry))
+
+
+def tiles_to_json(tiles: MoeTiles) -> dict:
+    up, down = dataclasses.asdict(tiles.up), dataclasses.asdict(tiles.down)
+    return {"up": up, "down": down, "tail_m": tiles.tail_m, "sum_in_down": tiles.sum_in_down}

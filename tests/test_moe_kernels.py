@@ -13,9 +13,12 @@ import torch
 from asyncllm.layers.fused_moe.torch_experts import torch_experts
 from kernels.fused_moe import (
     MoeTileConfig,
+    MoeTiles,
     align_by_expert,
     default_tile_config,
     fused_experts,
+    tiles_from_json,
+    tiles_to_json,
     uses_one_pair_tiles,
 )
 
@@ -26,6 +29,20 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # (experts, hidden, inner): inner not a multiple of the tiles, hidden not a power of two
 SHAPE = (8, 4096, 1792) if FULL else (5, 48, 40)
 SMALL_TILES = MoeTileConfig(16, 16, 16, 2, 4, 1)
+# each GEMM its own tiles: down's K (the inner size) not a multiple of its BLOCK_K on CPU
+MIXED_TILES = MoeTiles(MoeTileConfig(16, 32, 16, 1, 4, 1), MoeTileConfig(16, 16, 32, 4, 4, 2))
+# full tiles of 32 rows and the runs' rest in tiles of 16
+TAILED_TILES = MoeTiles(MoeTileConfig(32, 16, 16, 2, 4, 1), MoeTileConfig(32, 32, 16, 1, 4, 1), 16)
+# the weights through TMA descriptors, with tails; on CPU down's N (48) and K (40) are not
+# multiples of its 32-wide tiles: rows past N discarded, columns past K zero-filled
+TMA_TILES = MoeTiles(
+    MoeTileConfig(32, 32, 16, 2, 4, 2, weight_tma=True),
+    MoeTileConfig(32, 32, 32, 1, 4, 2, weight_tma=True),
+    16,
+)
+# at one pair a tile (a token of two choices) the down GEMM sums them itself; down's K (40 on
+# CPU) past its 32-wide tile
+SUMMED_TILES = MoeTiles(SMALL_TILES, MoeTileConfig(16, 32, 32, 1, 4, 2), sum_in_down=True)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -53,20 +70,40 @@ ROUTINGS = {
     "three_tokens_some_experts_idle": [[2, 0], [0, 2], [3, 1]],
     # expert 1 gets 19 pairs: more than one 16-row tile
     "one_expert_past_a_block": [[1, (t % 4) * (t % 2 == 0) + (t % 2 == 1) * 3] for t in range(19)],
+    # expert 2 gets 41 pairs: a full 32-row tile and a tail; the others 10-11 each
+    "one_expert_past_two_blocks": [[2, t % 4 if t % 4 != 2 else 4] for t in range(41)],
     "odd_batch_random": torch.stack(
         [torch.randperm(5, generator=torch.Generator().manual_seed(t))[:2] for t in range(37)]
     ).tolist(),
 }
 
 
+# every tiling in fp32 under the interpreter; on a GPU, where each one compiles, the tuned
+# tables' bf16 with all but mixed (tailed and tma have tiles of their own per GEMM too) and
+# fp32 with the default's
+TILINGS = ["small", "mixed", "tailed", "tma", "summed", "default"]
+TILINGS_BY_DTYPE = [
+    (tiles, dtype)
+    for tiles in TILINGS
+    for dtype in DTYPES
+    if not FULL or (dtype == torch.bfloat16 and tiles != "mixed") or tiles == "default"
+]
+
+
 @pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("tiles", ["small", "default"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles,dtype", TILINGS_BY_DTYPE)
 def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) -> None:
     topk_weights, topk_ids = routing(ROUTINGS[name])
     w13, w2 = weights(dtype)
     x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE).to(dtype)
-    config = SMALL_TILES if tiles == "small" else default_tile_config(x.shape[0])
+    config = {
+        "small": MoeTiles.same(SMALL_TILES),
+        "mixed": MIXED_TILES,
+        "tailed": TAILED_TILES,
+        "tma": TMA_TILES,
+        "summed": SUMMED_TILES,
+        "default": MoeTiles.same(default_tile_config(x.shape[0])),
+    }[tiles]
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert out.shape == ref.shape and out.dtype == dtype
@@ -80,50 +117,78 @@ def test_no_tokens_give_an_empty_output() -> None:
     assert fused_experts(x, w13, w2, ids.float(), ids).shape == (0, SHAPE[1])
 
 
+def used_tiles(aligned) -> dict[int, list[tuple[int, int]]]:
+    """Each list's tiles in use: height -> [(first row, expert), ...]."""
+    return {
+        tiles.height: list(zip(tiles.rows.tolist(), tiles.experts.tolist(), strict=True))[
+            : int(tiles.count)
+        ]
+        for tiles in aligned.tiles
+    }
+
+
 def test_alignment_pads_each_expert_to_the_block() -> None:
     ids = torch.tensor([[2, 0], [0, 2], [3, 0]], dtype=torch.int32, device=DEVICE)
     aligned = align_by_expert(ids, block_m=4, num_experts=5)
-    assert int(aligned.num_padded) == 12  # experts 0, 2, 3: one 4-row tile each
+    # experts 0, 2, 3: one 4-row tile each
+    assert used_tiles(aligned) == {4: [(0, 0), (4, 2), (8, 3)]}
     sorted_ids = aligned.sorted_pair_ids.tolist()
     assert sorted_ids[:4] == [1, 2, 5, 6] and sorted_ids[4:8] == [0, 3, 6, 6]
     assert sorted_ids[8:12] == [4, 6, 6, 6]
-    assert aligned.block_experts.tolist()[:3] == [0, 2, 3]
+
+
+def test_tails_take_tiles_of_their_own_height() -> None:
+    # expert 0: 5 pairs (a full tile of 4 and a tail of 1), expert 1: 1 (a tail only),
+    # expert 3: 4 (a full tile, no tail); expert 2 idle
+    ids = torch.tensor([[0, 1]] + [[0, 3]] * 4, dtype=torch.int32, device=DEVICE)
+    aligned = align_by_expert(ids, block_m=4, num_experts=4, tail_m=2)
+    assert used_tiles(aligned) == {4: [(0, 0), (8, 3)], 2: [(4, 0), (6, 1)]}
+    assert aligned.sorted_pair_ids.tolist()[:12] == [0, 2, 4, 6, 8, 10, 1, 10, 3, 5, 7, 9]
 
 
 def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatch) -> None:
     import kernels.fused_moe as fused_moe
 
-    table = {"1": SMALL_TILES.__dict__, "64": MoeTileConfig(32, 64, 64, 8, 4, 3).__dict__}
+    decode = MoeTiles(SMALL_TILES, MoeTileConfig(16, 128, 64, 1, 4, 4))
+    table = {"1": tiles_to_json(decode), "64": MoeTileConfig(32, 64, 64, 8, 4, 3).__dict__}
     name = fused_moe.config_file_name(8, 1792, 4096, "cpu")
     (tmp_path / name).write_text(json.dumps(table))
     monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
     fused_moe._config_table.cache_clear()
     try:
         cpu = torch.device("cpu")
-        assert fused_moe.tile_config(8, 1792, 4096, 3, cpu) == SMALL_TILES
-        assert fused_moe.tile_config(8, 1792, 4096, 50, cpu).block_m == 32
-        assert fused_moe.tile_config(8, 1024, 4096, 3, cpu) == default_tile_config(3)
+        assert fused_moe.tile_config(8, 1792, 4096, 3, cpu) == decode
+        prefill = fused_moe.tile_config(8, 1792, 4096, 50, cpu)  # one entry for both GEMMs
+        assert prefill.up == prefill.down and prefill.up.block_m == 32
+        default = MoeTiles.same(default_tile_config(3))
+        assert fused_moe.tile_config(8, 1024, 4096, 3, cpu) == default
     finally:
         fused_moe._config_table.cache_clear()
 
 
+@pytest.mark.parametrize("tail_m", [0, 8])
 @pytest.mark.parametrize("num_experts,num_tokens", [(5, 700), (200, 600)])
-def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens) -> None:
+def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens, tail_m) -> None:
     # 1,400 pairs of 5 experts: two 1,024-pair chunks; of 200 experts: 19 chunks of 64, past
     # the prefix kernel's 16-chunk step; experts left idle either way
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, num_experts - 2, (num_tokens, 2), generator=gen, dtype=torch.int32)
-    aligned = align_by_expert(ids.to(DEVICE), block_m=16, num_experts=num_experts)
-    flat, expected, experts = ids.flatten(), [], []
+    aligned = align_by_expert(ids.to(DEVICE), 16, num_experts, tail_m)
+    flat, expected, tiles = ids.flatten(), [], {16: [], tail_m: []}
     for e in range(num_experts):
         run = (flat == e).nonzero().flatten().tolist()
-        run += [flat.numel()] * (-len(run) % 16)
+        full = len(run) // 16 if tail_m else -(-len(run) // 16)
+        tiles[16] += [(len(expected) + 16 * i, e) for i in range(full)]
+        height = tail_m or 16
+        run += [flat.numel()] * (-len(run) % height)
+        tail_start = len(expected) + 16 * full
+        tiles[tail_m] += [
+            (tail_start + height * i, e) for i in range((len(run) - 16 * full) // height)
+        ]
         expected += run
-        experts += [e] * (len(run) // 16)
-    assert int(aligned.num_padded) == len(expected)
+    assert used_tiles(aligned) == {h: t for h, t in tiles.items() if h}
     assert aligned.sorted_pair_ids.tolist()[: len(expected)] == expected
     assert set(aligned.sorted_pair_ids.tolist()[len(expected) :]) <= {flat.numel()}
-    assert aligned.block_experts.tolist()[: len(experts)] == experts
 
 
 def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
@@ -134,15 +199,20 @@ def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
     assert default_tile_config(8).block_m == 16
 
 
+@pytest.mark.parametrize("sum_in_down", [False, True])
 @pytest.mark.parametrize("name", ["three_tokens_some_experts_idle", "odd_batch_random"])
-def test_one_pair_tiles_match_torch_when_pairs_share_experts(name, monkeypatch) -> None:
+def test_one_pair_tiles_match_torch_when_pairs_share_experts(
+    name, sum_in_down, monkeypatch
+) -> None:
     import kernels.fused_moe as fused_moe
 
     monkeypatch.setattr(fused_moe, "uses_one_pair_tiles", lambda *_: True)
     topk_weights, topk_ids = routing(ROUTINGS[name])
     w13, w2 = weights(torch.float32)
     x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE)
-    out = fused_experts(x, w13, w2, topk_weights, topk_ids, default_tile_config(1))
+    config = default_tile_config(1)
+    tiles = MoeTiles(config, config, sum_in_down=sum_in_down)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, tiles)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert relative_error(out, ref) < TOLERANCE[torch.float32]
 
@@ -161,3 +231,15 @@ def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
     assert fused_moe._stages_that_fit(tiles, 2, True, cuda) == 4  # bf16: 48 KB a stage
     assert fused_moe._stages_that_fit(tiles, 4, True, cuda) == 2  # fp32 gate and up: 96 KB
     assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
+
+
+@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES, SUMMED_TILES])
+def test_tiles_round_trip_through_the_table_format(tiles: MoeTiles) -> None:
+    assert tiles_from_json(json.loads(json.dumps(tiles_to_json(tiles)))) == tiles
+
+
+def test_the_two_gemms_share_the_alignment_block() -> None:
+    with pytest.raises(ValueError, match="block_m"):
+        MoeTiles(SMALL_TILES, MoeTileConfig(32, 16, 16, 1, 4, 1))
+    with pytest.raises(ValueError, match="tail_m"):
+        MoeTiles(SMALL_TILES, SMALL_TILES, tail_m=16)  # as tall as the full tiles

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from asyncllm.layers.fused_moe import FusedMoE, RoutingConfig, select_experts
+from asyncllm.layers.fused_moe.routing import torch_select_experts
+from kernels.moe_routing import route_top_k
 
 
 def test_renormalised_top_k_weights_sum_to_one() -> None:
@@ -51,3 +54,49 @@ def test_ranks_split_the_inner_dimension_and_their_outputs_sum_to_the_whole() ->
         parts = [layer(rank, 2)(x, logits) for rank in range(2)]
     assert layer(1, 2).w13_weight.shape == (num_experts, inner, hidden)
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_ROUTINGS = {
+    "softmax_renormalised": RoutingConfig(top_k=8),
+    "softmax_as_is": RoutingConfig(top_k=6, renormalize=False),
+    "sigmoid_scaled": RoutingConfig(
+        top_k=2, scoring="sigmoid", renormalize=False, routed_scaling_factor=2.5
+    ),
+    "sigmoid_renormalised": RoutingConfig(top_k=3, scoring="sigmoid"),
+}
+
+
+@pytest.mark.parametrize("name", KERNEL_ROUTINGS)
+@pytest.mark.parametrize("num_tokens", [0, 1, 37, 300])
+def test_routing_kernel_matches_torch(name: str, num_tokens: int) -> None:
+    # 60 experts: not a power of two; 300 tokens: several programs of 64 rows
+    config = KERNEL_ROUTINGS[name]
+    gen = torch.Generator().manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, 60, generator=gen).to(DEVICE)
+    sigmoid = config.scoring == "sigmoid"
+    scale = config.routed_scaling_factor
+    weights, ids = route_top_k(logits, config.top_k, sigmoid, config.renormalize, scale)
+    ref_weights, ref_ids = torch_select_experts(logits, config)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+def test_routing_kernel_reads_bfloat16_logits() -> None:
+    # bf16 scores tie often: the picked experts' logits must match, not their order among equals
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(33, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    weights, ids = route_top_k(logits, 8)
+    ref_weights, ref_ids = torch_select_experts(logits, RoutingConfig(top_k=8))
+    picked = logits.gather(1, ids.long())
+    assert torch.equal(picked, logits.gather(1, ref_ids.long()))
+    torch.testing.assert_close(weights, ref_weights)
+
+
+def test_routing_kernel_keeps_a_nan_row_among_the_experts() -> None:
+    # a NaN score equals nothing, not even the row's max: the picked ids must still index weights
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    logits[1] = float("nan")
+    _, ids = route_top_k(logits.to(DEVICE), 4)
+    assert bool(((ids >= 0) & (ids < 20)).all())

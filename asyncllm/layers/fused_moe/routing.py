@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -21,6 +23,18 @@ def select_experts(
     router_logits: torch.Tensor, config: RoutingConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router_logits [T, E]."""
+    if router_logits.is_cuda and config.num_groups == 1:
+        sigmoid = config.scoring == "sigmoid"
+        scale = config.routed_scaling_factor
+        return kernels.route_top_k(router_logits, config.top_k, sigmoid, config.renormalize, scale)
+    return torch_select_experts(router_logits, config)
+
+
+def torch_select_experts(
+    router_logits: torch.Tensor, config: RoutingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in torch ops: the CPU path, grouped top-k, and the routing kernel's
+    reference."""
     logits = router_logits.float()
     scores = logits.softmax(-1) if config.scoring == "softmax" else logits.sigmoid()
     if config.num_groups > 1:
