@@ -12,7 +12,14 @@ mma.sync, which keeps the whole [16, rank] query in every warp's registers (128 
 the heads N, so wgmma applies and reads both the latent tile and the query from shared memory.
 Splits write their output normalised, in the query's dtype, beside its log-sum-exp: half the
 bytes of fp32 partials (at 16 heads and rank 512 a split's partial is 16 KB, the latents of 14
-tokens, written once and read once by the merge).
+tokens, written once and read once by the merge). The merge is a second launch
+(merge_mla_splits), or, with MLADecodeConfig.fold_merge, the last split of a row to finish
+merges them: an atomic count per (row, head block) tells it that it is last, and it sets the
+count back to zero, so counters zeroed once stay zeroed between calls.
+
+MLADecodeConfig.head_groups > 1 gives a row's heads to that many programs, each reading the
+row's latents: launched side by side, the second read mostly hits L2, and the row needs that
+many times fewer context splits (so less to merge) to fill the GPU.
 """
 
 from __future__ import annotations
@@ -42,18 +49,21 @@ class MLADecodeConfig:
     num_stages: int
     tokens_major: bool  # scores as [tokens, heads]: tile_n is M (see the module's docstring)
     programs_per_sm: int  # split each context until the launch has this many programs per SM
+    head_groups: int = 1  # programs that share a row's heads, each reading its latents
+    fold_merge: bool = False  # the last split of a row merges, in the same launch
 
 
-# steps of at most `rows` rows -> (tile_n, num_warps, num_stages, tokens_major, programs_per_sm),
-# bf16/fp16 at DeepSeek's widths (rank 512 + rope 64); the last row holds for more rows.
+# steps of at most `rows` rows -> (tile_n, num_warps, num_stages, tokens_major, programs_per_sm,
+# head_groups, fold_merge), bf16/fp16 at DeepSeek's widths (rank 512 + rope 64); the last row
+# holds for more rows.
 # bench/mla_sweep.py prints this table from its H200 run (bench/results/mla_sweep_h200.json).
 CONFIG_TABLE = (
-    (1, 32, 8, 3, False, 1),
-    (8, 64, 8, 3, False, 1),
-    (32, 32, 4, 3, False, 2),
-    (64, 32, 4, 3, False, 2),
-    (128, 64, 8, 3, False, 1),
-    (256, 32, 4, 3, False, 2),
+    (1, 32, 8, 3, False, 1, 1, False),
+    (8, 64, 8, 3, False, 1, 1, False),
+    (32, 32, 4, 3, False, 2, 1, False),
+    (64, 32, 4, 3, False, 2, 1, False),
+    (128, 64, 8, 3, False, 1, 1, False),
+    (256, 32, 4, 3, False, 2, 1, False),
 )
 # fp32 (tests, the reference checks): 16-token tiles keep three stages in shared memory
 FP32_CONFIG = MLADecodeConfig(16, 8, 3, False, 1)
@@ -138,6 +148,59 @@ def _softmax_step(scores, m, total, HEAD_AXIS: tl.constexpr):
 
 
 @triton.jit
+def _merge_weight(lse, top):
+    """2^(lse - top): zero for an empty split (lse -inf), also when every split is empty."""
+    return tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+
+
+@triton.jit
+def _merge_if_last(
+    counter_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    head_rows,
+    head_mask,
+    lat,
+    out_mask,
+    live,
+    num_splits,
+    RANK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """Counts this split in; the last of the row's live splits to arrive merges their partials
+    (head_rows: row * NUM_HEADS + heads) into the output and sets the count back to zero."""
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == live - 1:
+        top = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+        for s in range(0, live):
+            parts = head_rows * num_splits + s
+            # other SMs wrote these: from L2 (.cg), past this SM's L1
+            lse = tl.load(
+                part_lse_ptr + parts, mask=head_mask, other=float("-inf"), cache_modifier=".cg"
+            )
+            part = tl.load(
+                part_out_ptr + parts[:, None] * RANK + lat[None, :],
+                mask=out_mask,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            new_top = tl.maximum(top, lse)
+            alpha = _merge_weight(top, new_top)
+            weight = _merge_weight(lse, new_top)
+            acc = acc * alpha[:, None] + part.to(tl.float32) * weight[:, None]
+            total = total * alpha + weight
+            top = new_top
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out_rows = out_ptr + head_rows[:, None] * RANK + lat[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(counter_ptr, 0)
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr,
     cache_ptr,
@@ -147,11 +210,13 @@ def _mla_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counter_ptr,
     scale_log2,
     q_stride_t,
     q_stride_h,
     block_table_stride,
     NUM_HEADS: tl.constexpr,
+    HEADS_PER_BLOCK: tl.constexpr,
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -161,26 +226,37 @@ def _mla_decode_kernel(
     TILE_N: tl.constexpr,
     HEAD_AXIS: tl.constexpr,
     SPLIT: tl.constexpr,
+    FOLD: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """BLOCK_H heads over one split: with SPLIT, the split's normalised output and its
-    log-sum-exp (log2 units) for the merge, nothing for an empty split; else (one split) the
-    output itself [T, H, RANK]."""
-    row = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    """HEADS_PER_BLOCK heads (in a BLOCK_H tile) of a row over one split of its context: with
+    SPLIT, the split's normalised output and its log-sum-exp (log2 units) for the merge (FOLD:
+    the last split merges them), nothing for an empty split past the first; else (one split)
+    the output itself [T, H, RANK]. Programs run over (row, head block), then splits."""
+    if USE_PDL:  # launched early: the query and the cache are the kernels before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    program = tl.program_id(0)
+    head_blocks = tl.cdiv(NUM_HEADS, HEADS_PER_BLOCK)
+    row = (program // head_blocks).to(tl.int64)
+    head_block = program % head_blocks
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
     length = tl.load(length_ptr + row)
     chunk = _split_chunk(length, num_splits, TILE_N)
     start = split * chunk
     if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if start >= length:  # an empty split: the merge skips it, from the same lengths
+        # the merge skips empty splits, from the same lengths; the first always runs, so a row
+        # with no context has a program to merge its zeros
+        if (start >= length) & (split > 0):
             return
     end = tl.minimum(start + chunk, length)
     request = tl.load(request_ptr + row).to(tl.int64)
     table_ptr = block_tables_ptr + request * block_table_stride
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = heads < NUM_HEADS
+    h = tl.arange(0, BLOCK_H)
+    heads = head_block * HEADS_PER_BLOCK + h
+    head_mask = (h < HEADS_PER_BLOCK) & (heads < NUM_HEADS)
     lat = tl.arange(0, BLOCK_L)
     rope = tl.arange(0, BLOCK_R)
     q_rows = q_ptr + row * q_stride_t + heads[:, None] * q_stride_h
@@ -223,13 +299,31 @@ def _mla_decode_kernel(
         acc = tl.trans(acc)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_mask = head_mask[:, None] & (lat < RANK)[None, :]
+    head_rows = row * NUM_HEADS + heads
     if SPLIT:
-        part = (row * NUM_HEADS + heads) * num_splits + split
+        part = head_rows * num_splits + split
         tl.store(part_lse_ptr + part, m + tl.log2(total), mask=head_mask)
         part_out = part_out_ptr + part[:, None] * RANK + lat[None, :]
         tl.store(part_out, out.to(part_out_ptr.dtype.element_ty), mask=out_mask)
+        if FOLD:
+            live = tl.maximum(tl.cdiv(length, tl.maximum(chunk, 1)), 1)
+            _merge_if_last(
+                counter_ptr + program,
+                part_out_ptr,
+                part_lse_ptr,
+                out_ptr,
+                head_rows,
+                head_mask,
+                lat,
+                out_mask,
+                live,
+                num_splits,
+                RANK,
+                BLOCK_H,
+                BLOCK_L,
+            )
     else:
-        out_rows = out_ptr + (row * NUM_HEADS + heads)[:, None] * RANK + lat[None, :]
+        out_rows = out_ptr + head_rows[:, None] * RANK + lat[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -259,8 +353,7 @@ def _merge_splits_kernel(
     live = (s < num_splits) & (s * _split_chunk(length, num_splits, TILE_N) < length)
     parts = (row * NUM_HEADS + head) * num_splits + s
     lse = tl.load(part_lse_ptr + parts, mask=live, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    weight = _merge_weight(lse, tl.max(lse, 0))
     part = tl.load(
         part_out_ptr + parts[:, None] * RANK + d[None, :],
         mask=live[:, None] & (d < RANK)[None, :],
@@ -273,6 +366,21 @@ def _merge_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d < RANK,
     )
+
+
+@dataclass(frozen=True)
+class HeadBlocks:
+    """How a row's heads are shared out: `count` programs of `heads` heads, in BLOCK_H tiles."""
+
+    heads: int
+    count: int
+    tile: int
+
+
+def head_blocks(num_heads: int, head_groups: int) -> HeadBlocks:
+    """At most 64 heads a program (the tile's rows), at least 16 rows in its tile (mma's M)."""
+    heads = min(triton.cdiv(num_heads, head_groups), 64)
+    return HeadBlocks(heads, triton.cdiv(num_heads, heads), max(16, next_pow2(heads)))
 
 
 def choose_mla_splits(
@@ -302,29 +410,31 @@ def paged_mla_decode(
     kv_lora_rank: int,
     num_splits: int | None = None,
     config: MLADecodeConfig | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, H, rank + rope]; row t attends to the first length[t] cached tokens of request
     request[t]'s blocks -> [T, H, rank] (zeros where length is 0). config: the table's
-    (mla_decode_config) unless given; num_splits: chosen from it unless given."""
+    (mla_decode_config) unless given; num_splits: chosen from it unless given. counters: for a
+    folded merge, int32 zeros, T x head blocks or more, left zero (None: zeroed here)."""
     num_rows, num_heads, width = query.shape
     config = config or mla_decode_config(num_rows, query.dtype)
-    rope = width - kv_lora_rank
-    block_size = kv_cache.shape[2]
-    block_h = max(16, min(next_pow2(num_heads), 64))
-    head_blocks = triton.cdiv(num_heads, block_h)
-    capacity = block_tables.shape[1] * block_size
-    splits = num_splits or choose_mla_splits(num_rows, head_blocks, capacity, config, query.device)
+    blocks = head_blocks(num_heads, config.head_groups)
+    capacity = block_tables.shape[1] * kv_cache.shape[2]
+    splits = num_splits or choose_mla_splits(num_rows, blocks.count, capacity, config, query.device)
     out = torch.empty(num_rows, num_heads, kv_lora_rank, dtype=query.dtype, device=query.device)
     if not num_rows:
         return out
-    split = splits > 1
-    if split:
+    fold = config.fold_merge and splits > 1
+    if splits > 1:
         shape = (num_rows, num_heads, splits)
         part_out = torch.empty(*shape, kv_lora_rank, dtype=query.dtype, device=query.device)
         part_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out
-    _mla_decode_kernel[(num_rows, head_blocks, splits)](
+    if fold and counters is None:
+        counters = torch.zeros(num_rows * blocks.count, dtype=torch.int32, device=query.device)
+    pdl = uses_pdl(query.device)
+    _mla_decode_kernel[(num_rows * blocks.count, splits)](
         query,
         kv_cache,
         block_tables,
@@ -333,37 +443,43 @@ def paged_mla_decode(
         out,
         part_out,
         part_lse,
+        counters if fold else out,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
         NUM_HEADS=num_heads,
+        HEADS_PER_BLOCK=blocks.heads,
         RANK=kv_lora_rank,
-        ROPE=rope,
-        BLOCK_H=block_h,
+        ROPE=width - kv_lora_rank,
+        BLOCK_H=blocks.tile,
         BLOCK_L=next_pow2(kv_lora_rank),
-        BLOCK_R=max(16, next_pow2(rope)),
-        BLOCK_SIZE=block_size,
+        BLOCK_R=max(16, next_pow2(width - kv_lora_rank)),
+        BLOCK_SIZE=kv_cache.shape[2],
         TILE_N=config.tile_n,
         HEAD_AXIS=1 if config.tokens_major else 0,
-        SPLIT=split,
+        SPLIT=splits > 1,
+        FOLD=fold,
         PRECISION=dot_precision(query.dtype),
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
-    if split:
-        _merge_splits(part_out, part_lse, length, out, config.tile_n)
+    if splits > 1 and not fold:
+        merge_mla_splits(part_out, part_lse, length, out, config.tile_n)
     return out
 
 
-def _merge_splits(
+def merge_mla_splits(
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
     length: torch.Tensor,
     out: torch.Tensor,
     tile_n: int,
 ) -> None:
-    """One launch merges the splits, a program per (row, head, rank chunk): at batch one the
+    """The split partials [T, H, splits, rank] and log-sum-exps [T, H, splits] into out
+    [T, H, rank], in one launch of a program per (row, head, rank chunk): at batch one the
     chunks give the merge more than the 16 heads' programs."""
     num_rows, num_heads, splits, rank = part_out.shape
     block_s = next_pow2(splits)

@@ -27,12 +27,16 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DIMS = (16, 512, 64) if FULL else (5, 40, 12)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
-# None: the table's; both score layouts, tiles of fewer tokens than a block and of many blocks
+# None: the table's; both score layouts, tiles of fewer tokens than a block and of many blocks,
+# a row's heads in two programs (3 and 2 of 5 here), the merge folded into the split launch
 CONFIGS = [
     None,
     MLADecodeConfig(16, 4, 2, False, 1),
     MLADecodeConfig(16, 4, 2, True, 1),
     MLADecodeConfig(64, 4, 2, True, 2),
+    MLADecodeConfig(16, 4, 2, False, 1, head_groups=2),
+    MLADecodeConfig(16, 4, 2, False, 1, fold_merge=True),
+    MLADecodeConfig(32, 4, 2, False, 2, head_groups=2, fold_merge=True),
 ]
 
 
@@ -75,6 +79,42 @@ def test_mla_decode_matches_torch(
     assert out.shape == (len(lengths), heads, rank)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+# the merge launched or folded, heads whole or in two programs; 64 splits leave most empty
+@pytest.mark.parametrize(
+    "config",
+    [
+        MLADecodeConfig(16, 4, 2, False, 1),
+        MLADecodeConfig(16, 4, 2, False, 1, fold_merge=True),
+        MLADecodeConfig(32, 4, 2, False, 1, head_groups=2, fold_merge=True),
+    ],
+)
+@pytest.mark.parametrize("num_splits", [2, 7, 64])
+def test_mla_decode_at_block_and_tile_edges(config: MLADecodeConfig, num_splits: int) -> None:
+    heads, rank, rope = DIMS
+    tile, capacity = config.tile_n, 20 * BLOCK_SIZE
+    # one position, a block +-1, a tile +-1, the whole table, no context, in one batch
+    edges = [BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, tile - 1, tile, tile + 1]
+    lengths = [1, *edges, capacity - 1, capacity, 0]
+    tables = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(2))
+    tables = tables[:60].view(3, 20).to(torch.int32).to(DEVICE)
+    request = (torch.arange(len(lengths), dtype=torch.int32) % 3).to(DEVICE)
+    length = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    dtype = torch.bfloat16 if FULL else torch.float32
+    query = torch.randn(len(lengths), heads, rank + rope, device=DEVICE).to(dtype)
+    cache = latent_cache(dtype)
+    scale = (rank + rope) ** -0.5
+    counters = torch.zeros(len(lengths) * heads, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # a folded merge leaves its counters zero for the next call
+        out = paged_mla_decode(
+            query, cache, tables, request, length, scale, rank, num_splits, config, counters
+        )
+        assert not counters.any()
+    ref = attend_latent_torch(query, cache, tables, request, length, scale, rank)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    for row, n in enumerate(lengths[:-1]):
+        assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], f"length {n}"
 
 
 def test_latent_cache_write_skips_padding() -> None:
