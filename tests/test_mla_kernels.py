@@ -63,8 +63,8 @@ def test_mla_decode_matches_torch(
     dtype: torch.dtype, config: MLADecodeConfig | None, num_splits: int | None
 ) -> None:
     heads, rank, rope = DIMS
-    if FULL and dtype == torch.float32 and config is not None and config.tile_n > 16:
-        pytest.skip("fp32 tiles of 64 tokens at rank 512 outgrow shared memory")
+    if FULL and dtype == torch.float32 and config is not None:
+        pytest.skip("on a GPU fp32 runs the table's fp32 config; the interpreter checks all")
     # one position, a part block, more than two 16-token tiles and a 64-token one, a padding row
     lengths = [1, 3, 77, 0, 21]
     tables = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))
