@@ -8,12 +8,13 @@ Per case: each candidate (kernels.mla_decode.MLADecodeConfig: tile, warps, stage
 layout, programs per SM, head groups, folded merge; the split count that follows from it)
 checked against the torch reference, then timed replayed in CUDA graphs over rotating caches
 (together four times the L2, so the latents come from device memory, as the engine's layers'
-caches do). A folded merge gets counters zeroed once, as an engine would keep them; its time
-with counters zeroed on every call (the kernel's default) is beside the best fold. Beside the
-best: the kernel's table as it stands (`table`), the previous sweep's best
+caches do). A folded merge gets counters zeroed once, as an engine would keep them. Beside
+the best: the kernel's table as it stands (`table`), the previous sweep's best
 (`previous`, from the committed mla_sweep_h200.json), and what the time is made of: the best
 config over empty contexts (launches, prologue, merge of nothing) and, for the fastest
-two-launch split, its merge launch alone. `one_launch_seconds`: a single one-program launch of
+two-launch split, its merge launch alone, the best without programmatic dependent launch
+(PDL: in this loop the call before lets each launch start early), the best fold with its
+counters zeroed on every call. `one_launch_seconds`: a single one-program launch of
 the kernel, the cost of a kernel in a graph here. The bytes are the latents read, the query
 read and the output written; `floor_seconds` is them at the copy bandwidth.
 
@@ -28,6 +29,7 @@ import argparse
 import datetime
 import itertools
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict
@@ -43,7 +45,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 from asyncllm.attention.mla import attend_latent_torch  # noqa: E402
 from asyncllm.models.shapes import SHAPES  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
-from kernels._common import num_sms  # noqa: E402
+from kernels._common import num_sms, uses_pdl  # noqa: E402
 from kernels.mla_decode import (  # noqa: E402
     MLADecodeConfig,
     choose_mla_splits,
@@ -55,14 +57,13 @@ from kernels.mla_decode import (  # noqa: E402
 
 CASES = [(8, 4096), (32, 2048), (64, 1024), (1, 4096), (128, 1024), (256, 512)]
 # Resources at these widths (Triton 3.9 for sm_90, cuobjdump): 32-token tiles at 3 stages 93 KB
-# of shared memory (4 warps 179 registers, 8 warps 102), 64-token tiles 168 KB at 3 stages (8
-# warps, 133 registers) and 94 KB at 2 (4 warps, 255: two programs a SM just fit). The
-# tokens-major (wgmma) layout lost everywhere in the previous sweep and is left out.
+# of shared memory (4 warps 179 registers, 8 warps 102), 64-token tiles at 3 stages 168 KB (8
+# warps, 133 registers; at 4 warps and 2 stages 255 registers and a stack: left out). The
+# tokens-major (wgmma) layout lost everywhere in the previous sweep and is left out too.
 GRID = [
     MLADecodeConfig(32, 8, 3, False, 1),
     MLADecodeConfig(32, 4, 3, False, 2),
     MLADecodeConfig(64, 8, 3, False, 1),
-    MLADecodeConfig(64, 4, 2, False, 2),
     MLADecodeConfig(64, 8, 3, False, 1, head_groups=2),
     MLADecodeConfig(32, 4, 3, False, 2, head_groups=2),
     MLADecodeConfig(64, 8, 3, False, 1, fold_merge=True),
@@ -192,12 +193,28 @@ def breakdown(case: Case, rows: list[dict], best: dict) -> dict:
         fastest = min(two_launch, key=lambda r: r["seconds"])
         merge = case.time_merge(MLADecodeConfig(**fastest["config"]), fastest["splits"])
         parts["two_launch_merge_alone_seconds"] = merge
+    parts["best_without_pdl_seconds"] = without_pdl(lambda: case.time(config, best["splits"]))[
+        "seconds"
+    ]
     folds = [r for r in rows if r["splits"] > 1 and r["config"]["fold_merge"]]
     if folds:
         fold = min(folds, key=lambda r: r["seconds"])
         zeroed = case.time(MLADecodeConfig(**fold["config"]), fold["splits"], shared_counters=False)
         parts["best_fold_counters_zeroed_per_call_seconds"] = zeroed["seconds"]
     return parts
+
+
+def without_pdl(measure):
+    """measure() with programmatic dependent launch off (ASYNCLLM_PDL=0): here the kernel
+    before each call is the call before's, which lets the next launch early; an engine's
+    einsum before the kernel may not."""
+    os.environ["ASYNCLLM_PDL"] = "0"
+    uses_pdl.cache_clear()
+    try:
+        return measure()
+    finally:
+        del os.environ["ASYNCLLM_PDL"]
+        uses_pdl.cache_clear()
 
 
 def run_case(case: Case, copy_bps: float, device: torch.device) -> dict:
