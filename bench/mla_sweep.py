@@ -4,8 +4,8 @@ against the copy bandwidth measured in the same run.
 
     python bench/mla_sweep.py --out bench/results/mla_sweep_h200.json
 
-Per case: each candidate (kernels.mla_decode.MLADecodeConfig: tile, warps, stages, score
-layout, programs per SM, head groups, folded merge; the split count that follows from it)
+Per case: each candidate (kernels.mla_decode.MLADecodeConfig: tile, warps, stages, programs
+per SM, head groups, folded merge, L2 prefetch; the split count that follows from it)
 checked against the torch reference, then timed replayed in CUDA graphs over rotating caches
 (together four times the L2, so the latents come from device memory, as the engine's layers'
 caches do). A folded merge gets counters zeroed once, as an engine would keep them. Beside
@@ -58,17 +58,19 @@ from kernels.mla_decode import (  # noqa: E402
 CASES = [(8, 4096), (32, 2048), (64, 1024), (1, 4096), (128, 1024), (256, 512)]
 # Resources at these widths (Triton 3.9 for sm_90, cuobjdump): 32-token tiles at 3 stages 93 KB
 # of shared memory (4 warps 179 registers, 8 warps 102), 64-token tiles at 3 stages 168 KB (8
-# warps, 133 registers; at 4 warps and 2 stages 255 registers and a stack: left out). The
-# tokens-major (wgmma) layout lost everywhere in the previous sweep and is left out too.
+# warps, 133 registers; at 4 warps and 2 stages 255 registers and a stack: left out). L2
+# prefetches cost 4 instructions a thread a step (CCTL.E.PF2) and no shared memory.
 GRID = [
-    MLADecodeConfig(32, 8, 3, False, 1),
-    MLADecodeConfig(32, 4, 3, False, 2),
-    MLADecodeConfig(64, 8, 3, False, 1),
-    MLADecodeConfig(64, 8, 3, False, 1, head_groups=2),
-    MLADecodeConfig(32, 4, 3, False, 2, head_groups=2),
-    MLADecodeConfig(64, 8, 3, False, 1, fold_merge=True),
-    MLADecodeConfig(32, 4, 3, False, 2, fold_merge=True),
-    MLADecodeConfig(64, 8, 3, False, 1, head_groups=2, fold_merge=True),
+    MLADecodeConfig(32, 8, 3, 1),
+    MLADecodeConfig(32, 4, 3, 2),
+    MLADecodeConfig(64, 8, 3, 1),
+    MLADecodeConfig(64, 8, 3, 1, head_groups=2),
+    MLADecodeConfig(32, 4, 3, 2, head_groups=2),
+    MLADecodeConfig(64, 8, 3, 1, fold_merge=True),
+    MLADecodeConfig(32, 4, 3, 2, fold_merge=True),
+    MLADecodeConfig(64, 8, 3, 1, prefetch_tokens=256),
+    MLADecodeConfig(32, 4, 3, 2, prefetch_tokens=128),
+    MLADecodeConfig(64, 8, 3, 1, fold_merge=True, prefetch_tokens=256),
 ]
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -176,7 +178,8 @@ def time_candidate(case: Case, label: str, config: MLADecodeConfig, splits: int,
     print(
         f"  {case.batch} x {case.context} {label:5s} {splits:3d} splits "
         f"{config.tile_n}/{config.num_warps}w/{config.num_stages}s/{config.programs_per_sm}ps"
-        f"/hg{config.head_groups}{'/fold' if config.fold_merge else ''}: "
+        f"/hg{config.head_groups}{'/fold' if config.fold_merge else ''}"
+        f"/pf{config.prefetch_tokens}: "
         f"{row['seconds'] * 1e6:.1f} us, {row['fraction_of_copy_bandwidth']:.2f} of copy, "
         f"error {row['relative_error']:.1e}",
         flush=True,

@@ -5,11 +5,9 @@ Cache: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]; a token's entry 
 (which is also its value) followed by its rope key. One program takes BLOCK_H heads of a row
 and one split of its context, so each latent tile is read once for all those heads.
 
-Why the layout is a choice (MLADecodeConfig.tokens_major): with 16 heads, scores as [heads,
-tokens] put M = 16 on the matrix units, below the 64 of Hopper's wgmma, so Triton falls back to
-mma.sync, which keeps the whole [16, rank] query in every warp's registers (128 a thread at rank
-512, beside the fp32 accumulator). As [tokens, heads] the tile's tokens are M (64 or more) and
-the heads N, so wgmma applies and reads both the latent tile and the query from shared memory.
+Scores are [heads, tokens]: with 16 heads M is 16, below the 64 of Hopper's wgmma, so Triton
+uses mma.sync. [tokens, heads] (tokens as M, for wgmma) lost at every batch in the H200 sweep
+(mla_sweep_h200.json, 2026-12-02: at 2 stages, as 3 do not fit in shared memory) and is gone.
 Splits write their output normalised, in the query's dtype, beside its log-sum-exp: half the
 bytes of fp32 partials (at 16 heads and rank 512 a split's partial is 16 KB, the latents of 14
 tokens, written once and read once by the merge). The merge is a second launch
@@ -47,26 +45,26 @@ class MLADecodeConfig:
     tile_n: int  # cached tokens a loop step reads
     num_warps: int
     num_stages: int
-    tokens_major: bool  # scores as [tokens, heads]: tile_n is M (see the module's docstring)
     programs_per_sm: int  # split each context until the launch has this many programs per SM
     head_groups: int = 1  # programs that share a row's heads, each reading its latents
     fold_merge: bool = False  # the last split of a row merges, in the same launch
+    prefetch_tokens: int = 0  # cached tokens asked of L2 ahead of the tile in hand (CUDA only)
 
 
-# steps of at most `rows` rows -> (tile_n, num_warps, num_stages, tokens_major, programs_per_sm,
-# head_groups, fold_merge), bf16/fp16 at DeepSeek's widths (rank 512 + rope 64); the last row
-# holds for more rows.
+# steps of at most `rows` rows -> (tile_n, num_warps, num_stages, programs_per_sm, head_groups,
+# fold_merge, prefetch_tokens), bf16/fp16 at DeepSeek's widths (rank 512 + rope 64); the last
+# row holds for more rows.
 # bench/mla_sweep.py prints this table from its H200 run (bench/results/mla_sweep_h200.json).
 CONFIG_TABLE = (
-    (1, 32, 8, 3, False, 1, 1, False),
-    (8, 64, 8, 3, False, 1, 1, False),
-    (32, 32, 4, 3, False, 2, 1, False),
-    (64, 32, 4, 3, False, 2, 1, False),
-    (128, 64, 8, 3, False, 1, 1, False),
-    (256, 32, 4, 3, False, 2, 1, False),
+    (1, 32, 8, 3, 1, 1, False, 0),
+    (8, 64, 8, 3, 1, 1, False, 0),
+    (32, 32, 4, 3, 2, 1, False, 0),
+    (64, 32, 4, 3, 2, 1, False, 0),
+    (128, 64, 8, 3, 1, 1, False, 0),
+    (256, 32, 4, 3, 2, 1, False, 0),
 )
 # fp32 (tests, the reference checks): 16-token tiles keep three stages in shared memory
-FP32_CONFIG = MLADecodeConfig(16, 8, 3, False, 1)
+FP32_CONFIG = MLADecodeConfig(16, 8, 3, 1)
 
 
 def mla_decode_config(num_rows: int, dtype: torch.dtype) -> MLADecodeConfig:
@@ -118,6 +116,34 @@ def _tile_slots(table_ptr, pos0, end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.const
 
 
 @triton.jit
+def _prefetch_tile(
+    cache_ptr,
+    table_ptr,
+    pos0,
+    end,
+    WIDTH: tl.constexpr,
+    LINE: tl.constexpr,
+    BLOCK_LINES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    """Asks L2 for the cache rows of the TILE_N tokens from pos0 (none past end), a 128-byte
+    line (LINE entries) at a time: reads in flight beyond what the shared-memory stages hold."""
+    if pos0 < end:
+        slots = _tile_slots(table_ptr, pos0, end, BLOCK_SIZE, TILE_N)
+        lines = tl.minimum(tl.arange(0, BLOCK_LINES), tl.cdiv(WIDTH, LINE) - 1)
+        rows = cache_ptr + slots[:, None] * WIDTH + lines[None, :] * LINE
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [rows],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
 def _latent_tile(
     cache_ptr,
     slots,
@@ -139,12 +165,13 @@ def _latent_tile(
 
 
 @triton.jit
-def _softmax_step(scores, m, total, HEAD_AXIS: tl.constexpr):
-    """One tile's scores (log2 units) into the running max and sum: (p, max, rescale, sum)."""
-    m_new = tl.maximum(m, tl.max(scores, 1 - HEAD_AXIS))
-    p = tl.exp2(scores - tl.expand_dims(m_new, 1 - HEAD_AXIS))
+def _softmax_step(scores, m, total):
+    """One tile's scores [heads, tokens] (log2 units) into the running max and sum: (p, max,
+    rescale, sum)."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m - m_new)
-    return p, m_new, alpha, total * alpha + tl.sum(p, 1 - HEAD_AXIS)
+    return p, m_new, alpha, total * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -224,9 +251,11 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    HEAD_AXIS: tl.constexpr,
     SPLIT: tl.constexpr,
     FOLD: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LINE: tl.constexpr,
+    BLOCK_LINES: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -268,35 +297,43 @@ def _mla_decode_kernel(
     )
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    if HEAD_AXIS == 1:  # scores [TILE_N, BLOCK_H], accumulator [BLOCK_L, BLOCK_H]
-        q_lat = tl.trans(q_lat)
-        q_pe = tl.trans(q_pe)
-        acc = tl.zeros((BLOCK_L, BLOCK_H), dtype=tl.float32)
-    else:  # scores [BLOCK_H, TILE_N], accumulator [BLOCK_H, BLOCK_L]
-        acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    for ahead in tl.static_range(0, PREFETCH, TILE_N):
+        _prefetch_tile(
+            cache_ptr,
+            table_ptr,
+            start + ahead,
+            end,
+            RANK + ROPE,
+            LINE,
+            BLOCK_LINES,
+            BLOCK_SIZE,
+            TILE_N,
+        )
     slots = _tile_slots(table_ptr, start, end, BLOCK_SIZE, TILE_N)
     for pos0 in range(start, end, TILE_N):
+        if PREFETCH > 0:
+            _prefetch_tile(
+                cache_ptr,
+                table_ptr,
+                pos0 + PREFETCH,
+                end,
+                RANK + ROPE,
+                LINE,
+                BLOCK_LINES,
+                BLOCK_SIZE,
+                TILE_N,
+            )
         pos_mask = pos0 + tl.arange(0, TILE_N) < end
         c, pe = _latent_tile(cache_ptr, slots, pos_mask, RANK, ROPE, BLOCK_L, BLOCK_R)
         # the next tile's rows a step ahead: the latents' loads then wait on no load of their
         # own step, so the pipeliner issues them num_stages - 1 steps ahead, not one
         slots = _tile_slots(table_ptr, pos0 + TILE_N, end, BLOCK_SIZE, TILE_N)
-        if HEAD_AXIS == 1:
-            scores = tl.dot(c, q_lat, input_precision=PRECISION)
-            scores = tl.dot(pe, q_pe, scores, input_precision=PRECISION)
-        else:
-            scores = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-            scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=PRECISION)
-        scores = tl.where(tl.expand_dims(pos_mask, HEAD_AXIS), scores * scale_log2, float("-inf"))
-        p, m, alpha, total = _softmax_step(scores, m, total, HEAD_AXIS)
-        if HEAD_AXIS == 1:
-            acc = tl.dot(
-                tl.trans(c), p.to(c.dtype), acc * alpha[None, :], input_precision=PRECISION
-            )
-        else:
-            acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-    if HEAD_AXIS == 1:
-        acc = tl.trans(acc)
+        scores = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=PRECISION)
+        scores = tl.where(pos_mask[None, :], scores * scale_log2, float("-inf"))
+        p, m, alpha, total = _softmax_step(scores, m, total)
+        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_mask = head_mask[:, None] & (lat < RANK)[None, :]
     head_rows = row * NUM_HEADS + heads
@@ -457,9 +494,11 @@ def paged_mla_decode(
         BLOCK_R=max(16, next_pow2(width - kv_lora_rank)),
         BLOCK_SIZE=kv_cache.shape[2],
         TILE_N=config.tile_n,
-        HEAD_AXIS=1 if config.tokens_major else 0,
         SPLIT=splits > 1,
         FOLD=fold,
+        PREFETCH=config.prefetch_tokens if query.is_cuda else 0,  # PTX: not in the interpreter
+        LINE=128 // kv_cache.element_size(),
+        BLOCK_LINES=next_pow2(triton.cdiv(width * kv_cache.element_size(), 128)),
         PRECISION=dot_precision(query.dtype),
         USE_PDL=pdl,
         num_warps=config.num_warps,

@@ -27,16 +27,16 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DIMS = (16, 512, 64) if FULL else (5, 40, 12)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
-# None: the table's; both score layouts, tiles of fewer tokens than a block and of many blocks,
-# a row's heads in two programs (3 and 2 of 5 here), the merge folded into the split launch
+# None: the table's; tiles of fewer tokens than a block and of many blocks, a row's heads in two
+# programs (3 and 2 of 5 here), the merge folded into the split launch, L2 prefetches (on a GPU)
 CONFIGS = [
     None,
-    MLADecodeConfig(16, 4, 2, False, 1),
-    MLADecodeConfig(16, 4, 2, True, 1),
-    MLADecodeConfig(64, 4, 2, True, 2),
-    MLADecodeConfig(16, 4, 2, False, 1, head_groups=2),
-    MLADecodeConfig(16, 4, 2, False, 1, fold_merge=True),
-    MLADecodeConfig(32, 4, 2, False, 2, head_groups=2, fold_merge=True),
+    MLADecodeConfig(16, 4, 2, 1),
+    MLADecodeConfig(64, 4, 2, 2),
+    MLADecodeConfig(16, 4, 2, 1, head_groups=2),
+    MLADecodeConfig(16, 4, 2, 1, fold_merge=True),
+    MLADecodeConfig(32, 4, 2, 2, head_groups=2, fold_merge=True),
+    MLADecodeConfig(16, 4, 2, 1, prefetch_tokens=32),
 ]
 
 
@@ -85,9 +85,9 @@ def test_mla_decode_matches_torch(
 @pytest.mark.parametrize(
     "config",
     [
-        MLADecodeConfig(16, 4, 2, False, 1),
-        MLADecodeConfig(16, 4, 2, False, 1, fold_merge=True),
-        MLADecodeConfig(32, 4, 2, False, 1, head_groups=2, fold_merge=True),
+        MLADecodeConfig(16, 4, 2, 1),
+        MLADecodeConfig(16, 4, 2, 1, fold_merge=True),
+        MLADecodeConfig(32, 4, 2, 1, head_groups=2, fold_merge=True, prefetch_tokens=64),
     ],
 )
 @pytest.mark.parametrize("num_splits", [2, 7, 64])
@@ -137,7 +137,7 @@ def test_row_contexts_are_causal_per_request() -> None:
 
 def test_splits_fill_the_gpu_without_a_partial_wave() -> None:
     cpu = torch.device("cpu")  # 8 "SMs" here
-    one, two = MLADecodeConfig(32, 4, 2, False, 1), MLADecodeConfig(64, 4, 2, True, 2)
+    one, two = MLADecodeConfig(32, 4, 2, 1), MLADecodeConfig(64, 4, 2, 2)
     assert choose_mla_splits(1, 1, 4096, one, cpu) == 8  # a program per SM
     assert choose_mla_splits(1, 1, 4096, two, cpu) == 16
     assert choose_mla_splits(3, 1, 4096, one, cpu) == 2  # 6 programs, not 9
