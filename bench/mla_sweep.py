@@ -56,10 +56,11 @@ from kernels.mla_decode import (  # noqa: E402
 )
 
 CASES = [(8, 4096), (32, 2048), (64, 1024), (1, 4096), (128, 1024), (256, 512)]
-# Resources at these widths (Triton 3.9 for sm_90, cuobjdump): 32-token tiles at 3 stages 93 KB
-# of shared memory (4 warps 179 registers, 8 warps 102), 64-token tiles at 3 stages 168 KB (8
-# warps, 133 registers; at 4 warps and 2 stages 255 registers and a stack: left out). L2
-# prefetches cost 4 instructions a thread a step (CCTL.E.PF2) and no shared memory.
+# Resources at these widths (Triton 3.6, the H200's, for sm_90; cuobjdump): 32-token tiles at 3
+# stages 93 KB of shared memory (4 warps 182-186 registers: two programs a SM fit; 8 warps 128),
+# 64-token tiles at 3 stages 168 KB (8 warps, 128-146 registers). 64-token tiles at 4 warps and
+# 2 stages took 255 registers and a stack (Triton 3.9): left out. L2 prefetches cost 4
+# instructions a thread a step (CCTL.E.PF2) and no shared memory.
 GRID = [
     MLADecodeConfig(32, 8, 3, 1),
     MLADecodeConfig(32, 4, 3, 2),

@@ -144,34 +144,35 @@ def _prefetch_tile(
 
 
 @triton.jit
-def _latent_tile(
-    cache_ptr,
-    slots,
-    pos_mask,
+def _latent_rows(
+    rows,
+    row_mask,
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
-    BLOCK_L: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """The latents [TILE_N, BLOCK_L] and rope keys [TILE_N, BLOCK_R] of a tile's cache rows."""
-    lat = tl.arange(0, BLOCK_L)
+    """Entries of rank + rope values from the pointers rows: the latent's halves [rows, HALF]
+    x 2 and the rope part [rows, BLOCK_R] (cache rows, or the query's heads)."""
+    half = tl.arange(0, HALF)
     rope = tl.arange(0, BLOCK_R)
-    entry = cache_ptr + slots[:, None] * (RANK + ROPE)
-    c = tl.load(entry + lat[None, :], mask=pos_mask[:, None] & (lat < RANK)[None, :], other=0.0)
-    pe = tl.load(
-        entry + RANK + rope[None, :], mask=pos_mask[:, None] & (rope < ROPE)[None, :], other=0.0
-    )
-    return c, pe
+    rows = rows[:, None]
+    lo = tl.load(rows + half[None, :], mask=row_mask[:, None] & (half < RANK)[None, :], other=0.0)
+    hi_mask = row_mask[:, None] & (HALF + half < RANK)[None, :]
+    hi = tl.load(rows + HALF + half[None, :], mask=hi_mask, other=0.0)
+    pe_mask = row_mask[:, None] & (rope < ROPE)[None, :]
+    pe = tl.load(rows + RANK + rope[None, :], mask=pe_mask, other=0.0)
+    return lo, hi, pe
 
 
 @triton.jit
-def _softmax_step(scores, m, total):
-    """One tile's scores [heads, tokens] (log2 units) into the running max and sum: (p, max,
-    rescale, sum)."""
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
-    return p, m_new, alpha, total * alpha + tl.sum(p, 1)
+def _scores(q_lo, q_hi, q_pe, c_lo, c_hi, pe, PRECISION: tl.constexpr):
+    """[heads, tokens]: the latent halves as two independent chains of MMAs (one chain over the
+    whole rank is 36 dependent MMAs a warp at rank 512), the rope keys after the second; the fma
+    joins them where an add would fold one product into the other's accumulator."""
+    lo = tl.dot(q_lo, tl.trans(c_lo), input_precision=PRECISION)
+    hi = tl.dot(q_hi, tl.trans(c_hi), input_precision=PRECISION)
+    return tl.fma(lo, 1.0, tl.dot(q_pe, tl.trans(pe), hi, input_precision=PRECISION))
 
 
 @triton.jit
@@ -286,18 +287,15 @@ def _mla_decode_kernel(
     h = tl.arange(0, BLOCK_H)
     heads = head_block * HEADS_PER_BLOCK + h
     head_mask = (h < HEADS_PER_BLOCK) & (heads < NUM_HEADS)
+    HALF: tl.constexpr = BLOCK_L // 2
     lat = tl.arange(0, BLOCK_L)
-    rope = tl.arange(0, BLOCK_R)
-    q_rows = q_ptr + row * q_stride_t + heads[:, None] * q_stride_h
-    q_lat = tl.load(
-        q_rows + lat[None, :], mask=head_mask[:, None] & (lat < RANK)[None, :], other=0.0
-    )
-    q_pe = tl.load(
-        q_rows + RANK + rope[None, :], mask=head_mask[:, None] & (rope < ROPE)[None, :], other=0.0
-    )
+    q_rows = q_ptr + row * q_stride_t + heads * q_stride_h
+    q_lo, q_hi, q_pe = _latent_rows(q_rows, head_mask, RANK, ROPE, HALF, BLOCK_R)
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
+    # row sums kept per thread, summed across warps once at the end, not once a step
+    sums = tl.zeros((BLOCK_H, TILE_N), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_H, HALF), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_H, HALF), dtype=tl.float32)
     for ahead in tl.static_range(0, PREFETCH, TILE_N):
         _prefetch_tile(
             cache_ptr,
@@ -325,15 +323,23 @@ def _mla_decode_kernel(
                 TILE_N,
             )
         pos_mask = pos0 + tl.arange(0, TILE_N) < end
-        c, pe = _latent_tile(cache_ptr, slots, pos_mask, RANK, ROPE, BLOCK_L, BLOCK_R)
+        cache_rows = cache_ptr + slots * (RANK + ROPE)
+        c_lo, c_hi, pe = _latent_rows(cache_rows, pos_mask, RANK, ROPE, HALF, BLOCK_R)
         # the next tile's rows a step ahead: the latents' loads then wait on no load of their
         # own step, so the pipeliner issues them num_stages - 1 steps ahead, not one
         slots = _tile_slots(table_ptr, pos0 + TILE_N, end, BLOCK_SIZE, TILE_N)
-        scores = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-        scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=PRECISION)
+        scores = _scores(q_lo, q_hi, q_pe, c_lo, c_hi, pe, PRECISION)
         scores = tl.where(pos_mask[None, :], scores * scale_log2, float("-inf"))
-        p, m, alpha, total = _softmax_step(scores, m, total)
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
+        m_new = tl.maximum(m, tl.max(scores, 1))  # finite: a step has a position in range
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)[:, None]
+        sums = sums * alpha + p
+        p = p.to(c_lo.dtype)
+        acc_lo = tl.dot(p, c_lo, acc_lo * alpha, input_precision=PRECISION)
+        acc_hi = tl.dot(p, c_hi, acc_hi * alpha, input_precision=PRECISION)
+        m = m_new
+    total = tl.sum(sums, 1)
+    acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), (BLOCK_H, BLOCK_L))
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_mask = head_mask[:, None] & (lat < RANK)[None, :]
     head_rows = row * NUM_HEADS + heads
@@ -490,7 +496,7 @@ def paged_mla_decode(
         RANK=kv_lora_rank,
         ROPE=width - kv_lora_rank,
         BLOCK_H=blocks.tile,
-        BLOCK_L=next_pow2(kv_lora_rank),
+        BLOCK_L=max(32, next_pow2(kv_lora_rank)),  # halves of 16 or more: MMA's K
         BLOCK_R=max(16, next_pow2(width - kv_lora_rank)),
         BLOCK_SIZE=kv_cache.shape[2],
         TILE_N=config.tile_n,
