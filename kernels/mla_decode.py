@@ -204,9 +204,9 @@ def _merge_if_last(
         top = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         total = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)
-        for s in range(0, live):
+        for s in tl.range(0, live, num_stages=3):
             parts = head_rows * num_splits + s
-            # other SMs wrote these: from L2 (.cg), past this SM's L1
+            # other SMs wrote these: the acquire above emptied this SM's L1 (CCTL.IVALL)
             lse = tl.load(
                 part_lse_ptr + parts, mask=head_mask, other=float("-inf"), cache_modifier=".cg"
             )
