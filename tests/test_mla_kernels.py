@@ -32,7 +32,7 @@ NUM_BLOCKS = 64
 CONFIGS = [
     None,
     MLADecodeConfig(16, 4, 2, 1),
-    MLADecodeConfig(64, 4, 2, 2),
+    MLADecodeConfig(64, 8, 2, 2),
     MLADecodeConfig(16, 4, 2, 1, head_groups=2),
     MLADecodeConfig(16, 4, 2, 1, fold_merge=True),
     MLADecodeConfig(32, 4, 2, 2, head_groups=2, fold_merge=True),
