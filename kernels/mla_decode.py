@@ -274,15 +274,16 @@ def _mla_decode_kernel(
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
     length = tl.load(length_ptr + row)
+    request = tl.load(request_ptr + row).to(tl.int64)
     chunk = _split_chunk(length, num_splits, TILE_N)
     start = split * chunk
     if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
         # the merge skips empty splits, from the same lengths; the first always runs, so a row
-        # with no context has a program to merge its zeros
-        if (start >= length) & (split > 0):
+        # with no context has a program to merge its zeros. The request (never negative) is in
+        # the test so that its load goes out beside the length's, not a round trip after it.
+        if (start >= length) & (split > 0) & (request >= 0):
             return
     end = tl.minimum(start + chunk, length)
-    request = tl.load(request_ptr + row).to(tl.int64)
     table_ptr = block_tables_ptr + request * block_table_stride
     h = tl.arange(0, BLOCK_H)
     heads = head_block * HEADS_PER_BLOCK + h
