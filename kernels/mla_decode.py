@@ -393,16 +393,17 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
+    parts = (row * NUM_HEADS + head) * num_splits + s
+    # read before the length, beside it: empty splits' entries were never written, and the
+    # selects below drop them (a zero weight times their garbage could be NaN)
+    lse = tl.load(part_lse_ptr + parts, mask=s < num_splits, other=float("-inf"))
+    part_mask = (s < num_splits)[:, None] & (d < RANK)[None, :]
+    part = tl.load(part_out_ptr + parts[:, None] * RANK + d[None, :], mask=part_mask, other=0.0)
     length = tl.load(length_ptr + row)
     live = (s < num_splits) & (s * _split_chunk(length, num_splits, TILE_N) < length)
-    parts = (row * NUM_HEADS + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + parts, mask=live, other=float("-inf"))
+    lse = tl.where(live, lse, float("-inf"))
+    part = tl.where(live[:, None], part, 0.0)
     weight = _merge_weight(lse, tl.max(lse, 0))
-    part = tl.load(
-        part_out_ptr + parts[:, None] * RANK + d[None, :],
-        mask=live[:, None] & (d < RANK)[None, :],
-        other=0.0,
-    )
     total = tl.sum(weight, 0)
     out = tl.sum(part.to(tl.float32) * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(

@@ -15,6 +15,7 @@ from kernels.mla_decode import (
     CONFIG_TABLE,
     MLADecodeConfig,
     choose_mla_splits,
+    merge_mla_splits,
     mla_decode_config,
     paged_mla_decode,
 )
@@ -115,6 +116,23 @@ def test_mla_decode_at_block_and_tile_edges(config: MLADecodeConfig, num_splits:
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     for row, n in enumerate(lengths[:-1]):
         assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], f"length {n}"
+
+
+def test_merge_ignores_what_empty_splits_left() -> None:
+    heads, rank, _ = DIMS
+    # 40 positions in 4 splits of whole 16-token tiles: splits 0-2 hold them, 3 is empty; the
+    # second row has no context, so all its splits are
+    length = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
+    part_out = torch.randn(2, heads, 4, rank, device=DEVICE)
+    part_lse = torch.randn(2, heads, 4, device=DEVICE)
+    part_out[0, :, 3], part_lse[0, :, 3] = float("nan"), float("nan")
+    part_out[1], part_lse[1] = float("nan"), float("nan")
+    out = torch.empty(2, heads, rank, device=DEVICE)
+    merge_mla_splits(part_out, part_lse, length, out, 16)
+    weight = torch.exp2(part_lse[0, :, :3] - part_lse[0, :, :3].amax(-1, keepdim=True))
+    expected = (part_out[0, :, :3] * weight[..., None]).sum(1) / weight.sum(-1)[:, None]
+    torch.testing.assert_close(out[0], expected)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 def test_latent_cache_write_skips_padding() -> None:
