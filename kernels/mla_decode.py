@@ -8,6 +8,9 @@ and one split of its context, so each latent tile is read once for all those hea
 Scores are [heads, tokens]: with 16 heads M is 16, below the 64 of Hopper's wgmma, so Triton
 uses mma.sync. [tokens, heads] (tokens as M, for wgmma) lost at every batch in the H200 sweep
 (mla_sweep_h200.json, 2026-12-02: at 2 stages, as 3 do not fit in shared memory) and is gone.
+With M = 16, a warp's share of the scores is 8 tokens over the whole rank: one chain of
+dependent MMAs. The latent is read as two halves, making it two chains.
+
 Splits write their output normalised, in the query's dtype, beside its log-sum-exp: half the
 bytes of fp32 partials (at 16 heads and rank 512 a split's partial is 16 KB, the latents of 14
 tokens, written once and read once by the merge). The merge is a second launch
@@ -17,7 +20,9 @@ count back to zero, so counters zeroed once stay zeroed between calls.
 
 MLADecodeConfig.head_groups > 1 gives a row's heads to that many programs, each reading the
 row's latents: launched side by side, the second read mostly hits L2, and the row needs that
-many times fewer context splits (so less to merge) to fill the GPU.
+many times fewer context splits (so less to merge) to fill the GPU. MLADecodeConfig.
+prefetch_tokens asks L2 for the cached tokens that far ahead of the tile in hand: reads in
+flight beyond the two shared-memory stages that fit (a 64-token stage is 74 KB).
 """
 
 from __future__ import annotations
@@ -132,11 +137,11 @@ def _prefetch_tile(
     if pos0 < end:
         slots = _tile_slots(table_ptr, pos0, end, BLOCK_SIZE, TILE_N)
         lines = tl.minimum(tl.arange(0, BLOCK_LINES), tl.cdiv(WIDTH, LINE) - 1)
-        rows = cache_ptr + slots[:, None] * WIDTH + lines[None, :] * LINE
+        line_ptrs = cache_ptr + slots[:, None] * WIDTH + lines[None, :] * LINE
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
             "=r,l",
-            [rows],
+            [line_ptrs],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -470,12 +475,7 @@ def paged_mla_decode(
     if not num_rows:
         return out
     fold = config.fold_merge and splits > 1
-    if splits > 1:
-        shape = (num_rows, num_heads, splits)
-        part_out = torch.empty(*shape, kv_lora_rank, dtype=query.dtype, device=query.device)
-        part_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
-    else:
-        part_out = part_lse = out
+    part_out, part_lse = _split_buffers(out, splits)
     if fold and counters is None:
         counters = torch.zeros(num_rows * blocks.count, dtype=torch.int32, device=query.device)
     pdl = uses_pdl(query.device)
@@ -516,6 +516,16 @@ def paged_mla_decode(
     if splits > 1 and not fold:
         merge_mla_splits(part_out, part_lse, length, out, config.tile_n)
     return out
+
+
+def _split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split launch's normalised partials [T, H, splits, rank] in out's dtype and their
+    log-sum-exps [T, H, splits]; with one split out stands in for both (they go unused)."""
+    if splits == 1:
+        return out, out
+    num_rows, num_heads, rank = out.shape
+    part_lse = torch.empty(num_rows, num_heads, splits, dtype=torch.float32, device=out.device)
+    return out.new_empty(num_rows, num_heads, splits, rank), part_lse
 
 
 def merge_mla_splits(
