@@ -63,10 +63,12 @@ CASES = [(8, 4096), (32, 2048), (64, 1024), (1, 4096), (128, 1024), (256, 512)]
 # 64-token tiles at 3 stages 168 KB (8 warps, 128-146 registers). 64-token tiles at 4 warps and
 # 2 stages took 255 registers and a stack (Triton 3.9): left out. L2 prefetches cost 4
 # instructions a thread a step (CCTL.E.PF2) and no shared memory; 256 tokens ahead on every SM
-# is 39 MB asked of the 50 MB L2, so 128 too. 32-token tiles on 8 warps lost everywhere but at
-# batch 1, where they are the table's.
+# is 39 MB asked of the 50 MB L2, so 128 too. 32-token tiles on 8 warps two a SM lost
+# everywhere in the previous sweep, at 146 registers (so one a SM); with the halved latent they
+# take 128, and two fit.
 GRID = [
     MLADecodeConfig(32, 4, 3, 2),
+    MLADecodeConfig(32, 8, 3, 2),
     MLADecodeConfig(64, 8, 3, 1),
     MLADecodeConfig(64, 8, 3, 1, head_groups=2),
     MLADecodeConfig(32, 4, 3, 2, head_groups=2),
