@@ -1,6 +1,7 @@
 """Kernel benchmarks on one GPU: bandwidth and FLOP rates against ceilings measured in the same run.
 
     python bench/kernels.py --out bench/results/kernels_h200.json
+    python bench/kernels.py --sections decode_long prefill_long mixed_long --long-context 32768
 
 Ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul. Decode
 attention counts the KV bytes it must read plus q and out; prefill counts 4 * head_dim FLOPs per
@@ -227,6 +228,54 @@ def bench_prefill(
     }
 
 
+def bench_mixed_long(
+    decode_lens: list[int],
+    chunk: int,
+    chunk_context: int,
+    matmul_tflops: float,
+    decode_splits: int | None,
+) -> dict:
+    """A long-context mixed step's attention: decodes of decode_lens beside a prompt chunk of
+    `chunk` queries ending at chunk_context. decode_splits None: all in the prefill kernel's
+    128-row tiles, each decode a tile of its own (the backend under min_split_decodes
+    decodes); else the decodes in the decode kernel in that many splits (the backend's 1 from
+    min_split_decodes on) and the chunk in the prefill kernel."""
+    query_lens, seq_lens = [1] * len(decode_lens) + [chunk], [*decode_lens, chunk_context]
+    kv_cache, tables = make_cache(seq_lens)
+    starts = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    out = torch.empty_like(query)
+    d, scale = len(decode_lens), HEAD_DIM**-0.5
+
+    def step() -> None:
+        if decode_splits is None:
+            paged_prefill_attention(query, kv_cache, starts, lens, tables, scale, chunk, out)
+            return
+        paged_decode_attention(
+            query[:d], kv_cache, tables[:d], lens[:d], scale, out[:d], num_splits=decode_splits
+        )
+        paged_prefill_attention(
+            query, kv_cache, starts[d:], lens[d:], tables[d:], scale, chunk, out
+        )
+
+    ms = median_ms(step)
+    pairs = sum(decode_lens) + chunk * (chunk_context - chunk) + chunk * (chunk + 1) // 2
+    tflops = 4 * HEAD_DIM * NUM_HEADS * pairs / ms / 1e9
+    return {
+        "decode_splits": decode_splits,
+        "num_decodes": d,
+        "decode_context": round(sum(decode_lens) / d),
+        "chunk": chunk,
+        "seq_lens": [chunk_context],
+        "ms": ms,
+        "tflops": tflops,
+        "pct_of_matmul": 100 * tflops / matmul_tflops,
+    }
+
+
 def bench_sdpa_reference(num_reqs: int, length: int, matmul_tflops: float) -> dict:
     """torch's own causal SDPA (flash) on contiguous K/V of the same shape: a point of comparison."""
     q = torch.randn(num_reqs, NUM_HEADS, length, HEAD_DIM, device=DEVICE, dtype=DTYPE)
@@ -284,7 +333,49 @@ def bench_ops(copy_tbps: float) -> list[dict]:
     return results
 
 
-def run_all(command: str, only: list[str] | None = None) -> dict:
+def _default_splits(seq_lens: list[int]) -> int:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return choose_num_splits(len(seq_lens), NUM_KV_HEADS, max(seq_lens), sms)
+
+
+def long_context_sections(
+    context: int, copy_tbps: float, matmul_tflops: float
+) -> list[tuple[str, Callable[[], object]]]:
+    """Attention at long contexts (issue 28's 32k figures): decode at `context` by batch, and
+    over lengths spread as the long-context workload's (U[context / 4, context]) by split
+    count; prefill chunks ending at `context`; a mixed step of that workload, its decodes in
+    the prefill kernel or in the decode kernel."""
+    spread = mixed_lengths(64, context // 4, context, "drawn")
+    return [
+        (
+            "decode_long",
+            lambda: (
+                [bench_decode(b, context, copy_tbps) for b in (1, 8, 32, 64)]
+                + [
+                    {"order": "drawn"} | bench_decode(64, spread, copy_tbps, num_splits=splits)
+                    for splits in (1, 2, 4)
+                ]
+            ),
+        ),
+        (
+            "prefill_long",
+            lambda: [
+                bench_prefill([chunk], [context], matmul_tflops)
+                for chunk in (512, 2048, 8192, context)
+            ],
+        ),
+        (
+            "mixed_long",
+            lambda: [
+                bench_mixed_long(spread[:d], 8192, context, matmul_tflops, splits)
+                for d in (8, 32, 63)
+                for splits in (None, 1, _default_splits(spread[:d]))
+            ],
+        ),
+    ]
+
+
+def run_all(command: str, only: list[str] | None = None, long_context: int = 32768) -> dict:
     torch.manual_seed(0)
     copy_tbps = measure_copy_tbps()
     matmul_tflops = measure_matmul_tflops()
@@ -305,6 +396,7 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
             "dtype": "bfloat16",
         },
         "ceilings": {"copy_tbps": copy_tbps, "matmul_bf16_tflops": matmul_tflops},
+        "long_context": long_context,
     }
     sections: list[tuple[str, Callable[[], object]]] = [
         ("decode", lambda: [bench_decode(256, ctx, copy_tbps) for ctx in (1024, 4096)]),
@@ -391,6 +483,7 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
         ),
         ("sdpa_reference", lambda: [bench_sdpa_reference(4, 4096, matmul_tflops)]),
         ("ops", lambda: bench_ops(copy_tbps)),
+        *long_context_sections(long_context, copy_tbps, matmul_tflops),
     ]
     unknown = set(only or ()) - {name for name, _ in sections}
     if unknown:
@@ -434,6 +527,10 @@ def summary(result: dict) -> str:
     )
     flop_keys = (
         "config",
+        "decode_splits",
+        "num_decodes",
+        "decode_context",
+        "chunk",
         "query_lens",
         "seq_lens",
         "num_reqs",
@@ -451,12 +548,13 @@ def summary(result: dict) -> str:
                 "decode_mid_batch_splits",
                 "decode_mixed_lengths",
                 "decode_tiles_by_batch",
+                "decode_long",
                 "kv_write",
                 "ops",
             ),
             bandwidth_keys,
         ),
-        (("prefill", "prefill_mixed", "sdpa_reference"), flop_keys),
+        (("prefill", "prefill_mixed", "sdpa_reference", "prefill_long", "mixed_long"), flop_keys),
     ):
         for name in names:
             for row in _rows(result, name):
@@ -482,8 +580,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_h200.json"))
     parser.add_argument("--sections", nargs="+", help="run only these sections (default: all)")
+    parser.add_argument(
+        "--long-context",
+        type=int,
+        default=32768,
+        help="the context of the *_long sections (decode, prefill chunks, mixed steps)",
+    )
     args = parser.parse_args()
-    result = run_all(" ".join(["python", *sys.argv]), args.sections)
+    result = run_all(" ".join(["python", *sys.argv]), args.sections, args.long_context)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(summary(result))
