@@ -1,0 +1,85 @@
+"""Contexts of max_model_len 40,960 (issue 28's long-context workload) on a tiny model: a prompt
+of 40,900 tokens, chunked, beside a short one, in a KV cache that holds one long sequence (so
+the long prompt is preempted and comes back through the prefix cache), equals Hugging Face
+transformers run over the same tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from asyncllm import LLM, SamplingParams
+
+MAX_MODEL_LEN = 40960
+# the short request decodes on past the long prompt's 11 chunks, holding its blocks
+NEW_TOKENS = (48, 8)
+# one sequence of max_model_len, and a few blocks more
+NUM_KV_BLOCKS = MAX_MODEL_LEN // 16 + 40
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    """A random one-layer Qwen3 with a 40,960-position rotary cache (the Qwen3-0.6B shape's)."""
+    path = tmp_path_factory.mktemp("long-context-qwen3")
+    config = transformers.Qwen3Config(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=MAX_MODEL_LEN,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@torch.inference_mode()
+def hf_greedy_logprobs(model, prompt: list[int], n: int, chunk: int = 8192) -> list[torch.Tensor]:
+    """Greedy decoding with HF's KV cache, the prompt fed in chunks; each step's log-softmax."""
+    cache = transformers.DynamicCache()
+    for start in range(0, len(prompt), chunk):
+        out = model(torch.tensor([prompt[start : start + chunk]]), cache=cache)
+    steps = [out.logits[0, -1].log_softmax(-1)]
+    for _ in range(n - 1):
+        out = model(torch.tensor([[int(steps[-1].argmax())]]), cache=cache)
+        steps.append(out.logits[0, -1].log_softmax(-1))
+    return steps
+
+
+def test_long_prompt_chunked_and_preempted_equals_hf(long_model_dir) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3000, MAX_MODEL_LEN - 60)]
+    llm = LLM(
+        model=str(long_model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=4096,
+        num_kv_blocks=NUM_KV_BLOCKS,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+        for n in NEW_TOKENS
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # the long prompt's last chunk found no room beside the short request: it went back to
+    # waiting and found its computed blocks in the prefix cache when it came back
+    stats = llm.core_client.core.stats()
+    assert stats.num_preemptions >= 1 and stats.prefix_cache_hits > 0
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(long_model_dir).eval()
+    for prompt, n, output in zip(prompts, NEW_TOKENS, outputs):
+        completion = output.outputs[0]
+        expected = hf_greedy_logprobs(hf, prompt, n)
+        assert completion.token_ids == [int(step.argmax()) for step in expected]
+        for logprobs, token, step in zip(completion.logprobs, completion.token_ids, expected):
+            assert logprobs[token].logprob == pytest.approx(float(step[token]), abs=1e-4)
