@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Issue 28 points 4 and 5 on one H200, in at most 420 s: bench/h200_longctx.sh OUTDIR
+#   1. long contexts, Qwen3-0.6B shape: 64 requests, prompts U[8192, 32768], outputs U[128, 512],
+#      max_model_len 40,960, against the floor of the same run              expected  ~75 s
+#   2. attention at 32k contexts (bench/kernels.py's *_long sections)          expected  ~35 s
+#   3. the same long-context workload on the Llama-3.1-8B shape                expected ~110 s
+#   4. multi-turn chat with shared prefixes over HTTP (bench/multiturn.py) on the Qwen3-0.6B
+#      shape with SmolLM2's vocabulary and tokenizer: offline, then a server at saturation and
+#      at half load                                                              expected ~100 s
+# Each part runs under a timeout cut to what the deadline leaves after the expected time of the
+# parts after it; one failing part does not stop the others. Results (JSON) and logs go to
+# OUTDIR; needs the wheels in .whl/ and .tok/SmolLM2-135M-Instruct/ (see h200_session.sh).
+set -uo pipefail
+out=$(realpath -m "$1")
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+deadline=$((SECONDS + 410))
+
+limit() {  # limit CAP RESERVE: CAP seconds, or less where the later parts need RESERVE
+  local left=$((deadline - SECONDS - $2))
+  echo $((left < $1 ? (left > 10 ? left : 10) : $1))
+}
+
+long=(--num-requests 64 --min-len 8192 --max-len 32768 --min-output-len 128
+  --max-output-len 512 --max-model-len 40960 --max-num-batched-tokens 8192 --max-num-seqs 64
+  --no-peer --disable-tqdm)
+
+echo "== 1. long contexts, qwen3-0.6b"
+timeout "$(limit 130 245)" python3 bench/throughput.py --shape qwen3-0.6b "${long[@]}" \
+  --out "$out/throughput_longctx_qwen3_h200.json" > "$out/throughput_longctx_qwen3.log" 2>&1
+tail -3 "$out/throughput_longctx_qwen3.log"
+
+echo "== 2. attention at 32k"
+timeout "$(limit 60 210)" python3 bench/kernels.py --sections decode_long prefill_long mixed_long \
+  --long-context 32768 --out "$out/kernels_longctx_h200.json" > "$out/kernels_longctx.log" 2>&1
+grep -E "^(copy|(decode|prefill|mixed)_long +\{|best|Traceback)" "$out/kernels_longctx.log"
+
+echo "== 3. long contexts, llama-3.1-8b"
+timeout "$(limit 160 100)" python3 bench/throughput.py --shape llama-3.1-8b "${long[@]}" \
+  --out "$out/throughput_longctx_llama8b_h200.json" > "$out/throughput_longctx_llama8b.log" 2>&1
+tail -3 "$out/throughput_longctx_llama8b.log"
+
+echo "== 4. multi-turn chat, shared prefixes"
+# the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer, as serving_model() in
+# h200_session.sh makes it
+python3 - <<'PY'
+import json, shutil
+from asyncllm.models.shapes import SHAPES
+config = dict(SHAPES["qwen3-0.6b"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
+shutil.copytree(".tok/SmolLM2-135M-Instruct", "/tmp/q3", dirs_exist_ok=True)
+json.dump(config, open("/tmp/q3/config.json", "w"))
+PY
+engine=(--max-model-len 4096 --max-num-batched-tokens 8192 --long-prefill-token-threshold 0
+  --load-format dummy)
+chats=(--num-conversations 256 --min-turns 2 --max-turns 6 --min-len 4 --max-len 1024
+  --max-context 4096 --vocab-size 49152)
+timeout "$(limit 70 60)" python3 bench/multiturn.py offline "${chats[@]}" --model /tmp/q3 \
+  "${engine[@]}" --out "$out/multiturn_offline_h200.json" > "$out/multiturn_offline.log" 2>&1
+tail -2 "$out/multiturn_offline.log"
+port=8766
+python3 -m asyncllm.serve --model /tmp/q3 --port $port "${engine[@]}" \
+  --max-concurrent-requests 0 > "$out/multiturn_server.log" 2>&1 &
+server=$!
+for _ in $(seq "$(limit 90 35)"); do
+  curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+  kill -0 $server 2> /dev/null || break
+  sleep 1
+done
+offline=()
+[[ -f $out/multiturn_offline_h200.json ]] && offline=(--offline "$out/multiturn_offline_h200.json")
+timeout "$(limit 100 0)" python3 bench/multiturn.py serve "${chats[@]}" \
+  --base-url "http://127.0.0.1:$port" "${offline[@]}" --out "$out/multiturn_h200.json" \
+  > "$out/multiturn.log" 2>&1
+tail -4 "$out/multiturn.log"
+kill $server 2> /dev/null
+wait $server 2> /dev/null
+grep -h "engine step failed\|Error" "$out"/*.log 2> /dev/null | head -5
+echo "done in ${SECONDS} s"
