@@ -342,9 +342,9 @@ def long_context_sections(
     context: int, copy_tbps: float, matmul_tflops: float
 ) -> list[tuple[str, Callable[[], object]]]:
     """Attention at long contexts (issue 28's 32k figures): decode at `context` by batch, and
-    over lengths spread as the long-context workload's (U[context / 4, context]) by split
-    count; prefill chunks ending at `context`; a mixed step of that workload, its decodes in
-    the prefill kernel or in the decode kernel."""
+    over 32 and 64 lengths spread as the long-context workload's (U[context / 4, context]) by
+    split count (None: choose_num_splits'); prefill chunks ending at `context`; a mixed step
+    of that workload, its decodes in the prefill kernel or in the decode kernel."""
     spread = mixed_lengths(64, context // 4, context, "drawn")
     return [
         (
@@ -352,8 +352,9 @@ def long_context_sections(
             lambda: (
                 [bench_decode(b, context, copy_tbps) for b in (1, 8, 32, 64)]
                 + [
-                    {"order": "drawn"} | bench_decode(64, spread, copy_tbps, num_splits=splits)
-                    for splits in (1, 2, 4)
+                    {"order": "drawn"} | bench_decode(b, spread[:b], copy_tbps, num_splits=s)
+                    for b in (32, 64)
+                    for s in (1, 2, 4, 8, None)
                 ]
             ),
         ),
