@@ -18,6 +18,10 @@ from kernels._common import AttentionConfig, dot_precision, next_pow2, num_sms, 
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# long sequences split into pieces of at least this many keys, until there are BALANCE_WAVES
+# programs an SM (issue 28's long-context workload; `bench/NOTES.md`)
+LONG_SPLIT_TOKENS = 4096
+BALANCE_WAVES = 8
 LONG_TILE_MIN_SEQS = 64
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -245,12 +249,20 @@ def _decode_reduce_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
-    """Split the keys only when (sequence, KV head) programs alone would leave SMs idle."""
+    """Split the keys when (sequence, KV head) programs alone would leave SMs idle: when there
+    are fewer programs than SMs, or, with sequences of several LONG_SPLIT_TOKENS, fewer than
+    BALANCE_WAVES programs an SM (a program reads its sequence to the end: 32 sequences of 8k
+    to 32k tokens are 256 programs, about two per SM, and the SMs with short ones then idle
+    behind the longest; pieces of at least LONG_SPLIT_TOKENS keep the split's own cost small)."""
     programs = num_seqs * num_kv_heads
-    if programs >= sms or max_seq_len <= MIN_TOKENS_PER_SPLIT:
+    if max_seq_len <= MIN_TOKENS_PER_SPLIT:
         return 1
-    by_occupancy = math.ceil(2 * sms / programs)
-    by_length = math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)
+    if programs < sms:
+        by_occupancy = math.ceil(2 * sms / programs)
+        by_length = math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)
+    else:
+        by_occupancy = math.ceil(BALANCE_WAVES * sms / programs)
+        by_length = max_seq_len // LONG_SPLIT_TOKENS
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 

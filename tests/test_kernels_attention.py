@@ -200,6 +200,16 @@ def test_num_splits_only_when_sms_would_idle() -> None:
     assert choose_num_splits(1, 1, 1 << 20, sms=132) == 64
 
 
+def test_long_sequences_split_until_the_sms_have_several_programs() -> None:
+    # a decode graph's batch of 32 at max_model_len 40,960: 256 programs, 5 pieces each
+    assert choose_num_splits(32, 8, 40960, sms=132) == 5
+    assert choose_num_splits(64, 8, 40960, sms=132) == 3
+    # enough programs already, or pieces that would be too short: as before
+    assert choose_num_splits(256, 8, 40960, sms=132) == 1
+    assert choose_num_splits(32, 8, 4096, sms=132) == 1
+    assert choose_num_splits(32, 8, 8192, sms=132) == 2
+
+
 def test_decode_split_k_agrees_with_single_pass() -> None:
     query, _, _, kv_cache, meta = make_batch([1, 1], [90, 200], 4, 1, 64, torch.float32)
     args = (query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
