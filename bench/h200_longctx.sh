@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Issue 28 points 4 and 5 on one H200, in at most 420 s: bench/h200_longctx.sh OUTDIR
+#   0. GPU test: a 40,900-token prompt at max_model_len 40,960, chunked and preempted, through
+#      the Triton kernels and CUDA graphs, equals HF transformers         expected  ~45 s
 #   1. long contexts, Qwen3-0.6B shape: 64 requests, prompts U[8192, 32768], outputs U[128, 512],
 #      max_model_len 40,960, against the floor of the same run              expected  ~75 s
 #   2. attention at 32k contexts (bench/kernels.py's *_long sections)          expected  ~35 s
@@ -26,6 +28,11 @@ limit() {  # limit CAP RESERVE: CAP seconds, or less where the later parts need 
 long=(--num-requests 64 --min-len 8192 --max-len 32768 --min-output-len 128
   --max-output-len 512 --max-model-len 40960 --max-num-batched-tokens 8192 --max-num-seqs 64
   --no-peer --disable-tqdm)
+
+echo "== 0. GPU test at max_model_len 40,960"
+timeout "$(limit 70 320)" python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py \
+  -k gpu > "$out/gpu_tests_longctx_h200.txt" 2>&1
+tail -2 "$out/gpu_tests_longctx_h200.txt"
 
 echo "== 1. long contexts, qwen3-0.6b"
 timeout "$(limit 130 245)" python3 bench/throughput.py --shape qwen3-0.6b "${long[@]}" \

@@ -1,11 +1,13 @@
 """Contexts of max_model_len 40,960 (issue 28's long-context workload) on a tiny model: a prompt
 of 40,900 tokens, chunked, beside a short one, in a KV cache that holds one long sequence (so
 the long prompt is preempted and comes back through the prefix cache), equals Hugging Face
-transformers run over the same tokens."""
+transformers run over the same tokens; on CPU, and on a GPU through the Triton kernels and CUDA
+graphs (decode graphs captured for max_model_len)."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +22,8 @@ NEW_TOKENS = (48, 8)
 NUM_KV_BLOCKS = MAX_MODEL_LEN // 16 + 40
 
 
-@pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory):
+def write_long_model(path: Path, head_dim: int) -> Path:
     """A random one-layer Qwen3 with a 40,960-position rotary cache (the Qwen3-0.6B shape's)."""
-    path = tmp_path_factory.mktemp("long-context-qwen3")
     config = transformers.Qwen3Config(
         vocab_size=512,
         hidden_size=32,
@@ -31,7 +31,7 @@ def long_model_dir(tmp_path_factory):
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=8,
+        head_dim=head_dim,
         max_position_embeddings=MAX_MODEL_LEN,
         rope_theta=1e6,
         tie_word_embeddings=True,
@@ -57,14 +57,16 @@ def hf_greedy_logprobs(model, prompt: list[int], n: int, chunk: int = 8192) -> l
     return steps
 
 
-def test_long_prompt_chunked_and_preempted_equals_hf(long_model_dir) -> None:
+def assert_long_prompt_equals_hf(model_dir: Path, **engine_args) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3000, MAX_MODEL_LEN - 60)]
     llm = LLM(
-        model=str(long_model_dir),
+        model=str(model_dir),
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=4096,
         num_kv_blocks=NUM_KV_BLOCKS,
+        dtype="float32",
+        **engine_args,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
@@ -76,10 +78,21 @@ def test_long_prompt_chunked_and_preempted_equals_hf(long_model_dir) -> None:
     stats = llm.core_client.core.stats()
     assert stats.num_preemptions >= 1 and stats.prefix_cache_hits > 0
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(long_model_dir).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for prompt, n, output in zip(prompts, NEW_TOKENS, outputs):
         completion = output.outputs[0]
         expected = hf_greedy_logprobs(hf, prompt, n)
         assert completion.token_ids == [int(step.argmax()) for step in expected]
         for logprobs, token, step in zip(completion.logprobs, completion.token_ids, expected):
             assert logprobs[token].logprob == pytest.approx(float(step[token]), abs=1e-4)
+
+
+def test_long_prompt_chunked_and_preempted_equals_hf(tmp_path) -> None:
+    assert_long_prompt_equals_hf(write_long_model(tmp_path, head_dim=8), device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_long_prompt_on_the_gpu_equals_hf(tmp_path) -> None:
+    # the Triton kernels' dots need 16 columns
+    assert_long_prompt_equals_hf(write_long_model(tmp_path, head_dim=16), device="cuda")
