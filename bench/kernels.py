@@ -17,6 +17,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -188,32 +189,50 @@ def bench_kv_write(num_tokens: int, copy_tbps: float) -> dict:
     }
 
 
+@dataclass
+class PrefillInputs:
+    """A paged cache holding the requests' seq_lens, and their queries' last query_lens rows."""
+
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    query: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def random(cls, query_lens: list[int], seq_lens: list[int]) -> PrefillInputs:
+        kv_cache, tables = make_cache(seq_lens)
+        starts = torch.tensor(
+            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+        )
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        return cls(kv_cache, tables, starts, lens, query, torch.empty_like(query))
+
+    def prefill(self, max_query_len: int, first: int = 0, **kwargs) -> None:
+        """The prefill kernel over the requests from `first` on."""
+        paged_prefill_attention(
+            self.query,
+            self.kv_cache,
+            self.query_start_loc[first:],
+            self.seq_lens[first:],
+            self.block_tables[first:],
+            HEAD_DIM**-0.5,
+            max_query_len,
+            self.out,
+            **kwargs,
+        )
+
+
 def bench_prefill(
     query_lens: list[int],
     seq_lens: list[int],
     matmul_tflops: float,
     config: AttentionConfig | None = None,
 ) -> dict:
-    kv_cache, tables = make_cache(seq_lens)
-    starts = torch.tensor(
-        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
-    )
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    out = torch.empty_like(query)
-    ms = median_ms(
-        lambda: paged_prefill_attention(
-            query,
-            kv_cache,
-            starts,
-            lens,
-            tables,
-            HEAD_DIM**-0.5,
-            max(query_lens),
-            out,
-            config=config,
-        )
-    )
+    inputs = PrefillInputs.random(query_lens, seq_lens)
+    ms = median_ms(lambda: inputs.prefill(max(query_lens), config=config))
     pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
     tflops = 4 * HEAD_DIM * NUM_HEADS * pairs / ms / 1e9
     config = config or default_prefill_config(DTYPE)
@@ -240,26 +259,21 @@ def bench_mixed_long(
     128-row tiles, each decode a tile of its own (the backend under min_split_decodes
     decodes); else the decodes in the decode kernel in that many splits (the backend's 1 from
     min_split_decodes on) and the chunk in the prefill kernel."""
-    query_lens, seq_lens = [1] * len(decode_lens) + [chunk], [*decode_lens, chunk_context]
-    kv_cache, tables = make_cache(seq_lens)
-    starts = torch.tensor(
-        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
-    )
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    out = torch.empty_like(query)
-    d, scale = len(decode_lens), HEAD_DIM**-0.5
+    d = len(decode_lens)
+    inputs = PrefillInputs.random([1] * d + [chunk], [*decode_lens, chunk_context])
 
     def step() -> None:
-        if decode_splits is None:
-            paged_prefill_attention(query, kv_cache, starts, lens, tables, scale, chunk, out)
-            return
-        paged_decode_attention(
-            query[:d], kv_cache, tables[:d], lens[:d], scale, out[:d], num_splits=decode_splits
-        )
-        paged_prefill_attention(
-            query, kv_cache, starts[d:], lens[d:], tables[d:], scale, chunk, out
-        )
+        if decode_splits is not None:
+            paged_decode_attention(
+                inputs.query[:d],
+                inputs.kv_cache,
+                inputs.block_tables[:d],
+                inputs.seq_lens[:d],
+                HEAD_DIM**-0.5,
+                inputs.out[:d],
+                num_splits=decode_splits,
+            )
+        inputs.prefill(chunk, first=0 if decode_splits is None else d)
 
     ms = median_ms(step)
     pairs = sum(decode_lens) + chunk * (chunk_context - chunk) + chunk * (chunk + 1) // 2
