@@ -9,6 +9,8 @@
 #   4. multi-turn chat with shared prefixes over HTTP (bench/multiturn.py) on the Qwen3-0.6B
 #      shape with SmolLM2's vocabulary and tokenizer: offline, then a server at saturation and
 #      at half load                                                              expected ~100 s
+#   5. with what time is left (30 s at least): the prefill kernel's tiles swept over an
+#      8,192-row chunk ending at 32k (the default was chosen at 4 x 4,096); prints the best
 # Each part runs under a timeout cut to what the deadline leaves after the expected time of the
 # parts after it; one failing part does not stop the others. Results (JSON) and logs go to
 # OUTDIR; needs the wheels in .whl/ and .tok/SmolLM2-135M-Instruct/ (see h200_session.sh).
@@ -67,12 +69,13 @@ timeout "$(limit 70 60)" python3 bench/multiturn.py offline "${chats[@]}" --mode
   "${engine[@]}" --out "$out/multiturn_offline_h200.json" > "$out/multiturn_offline.log" 2>&1
 tail -2 "$out/multiturn_offline.log"
 port=8766
-python3 -m asyncllm.serve --model /tmp/q3 --port $port "${engine[@]}" \
+# in a session of its own, so that its engine core process stops with it (part 5 needs the GPU)
+setsid python3 -m asyncllm.serve --model /tmp/q3 --port $port "${engine[@]}" \
   --max-concurrent-requests 0 > "$out/multiturn_server.log" 2>&1 &
 server=$!
 for _ in $(seq "$(limit 90 35)"); do
   curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
-  kill -0 $server 2> /dev/null || break
+  [[ -z $(jobs -rp) ]] && break  # the server exited
   sleep 1
 done
 offline=()
@@ -81,7 +84,20 @@ timeout "$(limit 100 0)" python3 bench/multiturn.py serve "${chats[@]}" \
   --base-url "http://127.0.0.1:$port" "${offline[@]}" --out "$out/multiturn_h200.json" \
   > "$out/multiturn.log" 2>&1
 tail -4 "$out/multiturn.log"
-kill $server 2> /dev/null
+kill -TERM -- -$server 2> /dev/null
+for _ in $(seq 40); do  # the server is this shell's only background job
+  [[ -z $(jobs -rp) ]] && break
+  sleep 0.5
+done
+kill -KILL -- -$server 2> /dev/null
 wait $server 2> /dev/null
+
+if ((deadline - SECONDS >= 30)); then
+  echo "== 5. prefill tiles at 32k"
+  timeout "$(limit 60 0)" python3 bench/kernels.py --sections prefill_long_sweep \
+    --long-context 32768 --out "$out/kernels_prefill_long_sweep_h200.json" \
+    > "$out/kernels_prefill_long_sweep.log" 2>&1
+  grep -E "^(copy|best|Traceback)" "$out/kernels_prefill_long_sweep.log"
+fi
 grep -h "engine step failed\|Error" "$out"/*.log 2> /dev/null | head -5
 echo "done in ${SECONDS} s"

@@ -358,7 +358,8 @@ def long_context_sections(
     """Attention at long contexts (issue 28's 32k figures): decode at `context` by batch, and
     over 32 and 64 lengths spread as the long-context workload's (U[context / 4, context]) by
     split count (None: choose_num_splits'); prefill chunks ending at `context`; a mixed step
-    of that workload, its decodes in the prefill kernel or in the decode kernel."""
+    of that workload, its decodes in the prefill kernel or in the decode kernel; the prefill
+    tiles swept over an 8,192-row chunk ending at `context`."""
     spread = mixed_lengths(64, context // 4, context, "drawn")
     return [
         (
@@ -386,6 +387,11 @@ def long_context_sections(
                 for d in (8, 32, 63)
                 for splits in (None, 1, _default_splits(spread[:d]))
             ],
+        ),
+        (
+            # the chunked prefill's tiles at long contexts: the default was chosen at 4 x 4096
+            "prefill_long_sweep",
+            lambda: [bench_prefill([8192], [context], matmul_tflops, c) for c in PREFILL_SWEEP],
         ),
     ]
 
@@ -583,6 +589,7 @@ def summary(result: dict) -> str:
         ("decode_sweep", "tbps"),
         ("decode_mixed_lengths_sweep", "tbps"),
         ("prefill_sweep", "tflops"),
+        ("prefill_long_sweep", "tflops"),
     ):
         rows = [r for r in _rows(result, name) if key in r]
         if rows:
