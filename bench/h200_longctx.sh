@@ -11,9 +11,10 @@
 #      at half load                                                              expected ~100 s
 #   5. with what time is left (30 s at least): the prefill kernel's tiles swept over an
 #      8,192-row chunk ending at 32k (the default was chosen at 4 x 4,096); prints the best
-# Each part runs under a timeout cut to what the deadline leaves after the expected time of the
-# parts after it; one failing part does not stop the others. Results (JSON) and logs go to
-# OUTDIR; needs the wheels in .whl/ and .tok/SmolLM2-135M-Instruct/ (see h200_session.sh).
+# Expected in all about 370 s, 400 with part 5. Each part runs under a timeout cut to what the
+# deadline (410 s after the wheels) leaves after the expected time of the parts after it; one
+# failing part does not stop the others. Results (JSON) and logs go to OUTDIR; needs the
+# wheels in .whl/ and .tok/SmolLM2-135M-Instruct/ (see h200_session.sh).
 set -uo pipefail
 out=$(realpath -m "$1")
 mkdir -p "$out"
@@ -80,7 +81,7 @@ for _ in $(seq "$(limit 90 35)"); do
 done
 offline=()
 [[ -f $out/multiturn_offline_h200.json ]] && offline=(--offline "$out/multiturn_offline_h200.json")
-timeout "$(limit 100 0)" python3 bench/multiturn.py serve "${chats[@]}" \
+timeout "$(limit 100 10)" python3 bench/multiturn.py serve "${chats[@]}" \
   --base-url "http://127.0.0.1:$port" "${offline[@]}" --out "$out/multiturn_h200.json" \
   > "$out/multiturn.log" 2>&1
 tail -4 "$out/multiturn.log"
