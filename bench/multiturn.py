@@ -147,7 +147,7 @@ def run_offline(args: argparse.Namespace, conversations: list[Conversation]) -> 
     # prompts of another seed: warm, but nothing of the run's in the prefix cache
     rng = random.Random("warm-up")
     warmup = [
-        {"prompt_token_ids": random_tokens(rng, args.max_len, args.vocab_size)} for _ in "abcd"
+        {"prompt_token_ids": random_tokens(rng, args.max_len, args.vocab_size)} for _ in range(4)
     ]
     llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     requests = by_turn(conversations)
