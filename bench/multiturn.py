@@ -168,7 +168,8 @@ def run_offline(args: argparse.Namespace, conversations: list[Conversation]) -> 
         "seconds": elapsed,
         "output_throughput": produced / elapsed,
         "total_token_throughput": (produced + sum(len(r.prompt) for r in requests)) / elapsed,
-        "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries,
+        "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits)
+        / max(queries, 1),
         "num_preemptions": after.num_preemptions - before.num_preemptions,
     }
 
