@@ -278,7 +278,7 @@ def against_offline(result: dict, offline_path: Path) -> dict:
     first = next(iter(result["runs"].values()))
     return {
         "offline": offline["offline"]
-        | {k: offline[k] for k in ("device", "torch", "triton")}
+        | {k: offline[k] for k in ("device", "cpu", "torch", "triton") if k in offline}
         | {"file": str(offline_path)},
         "serving_over_offline": first["output_throughput"]
         / offline["offline"]["output_throughput"],
@@ -400,12 +400,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def offline_record(args: argparse.Namespace) -> dict:
+    """The machine (on CPU its model and vector extensions) and the versions."""
     import torch
     import triton
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine()
+    from bench.throughput import cpu_description
+
+    if torch.cuda.is_available():
+        machine = {"device": torch.cuda.get_device_name()}
+    else:
+        machine = {"device": f"cpu ({platform.machine()})", "cpu": cpu_description()}
     versions = {"torch": torch.__version__, "triton": triton.__version__}
-    return {"device": device, "model": args.model} | versions
+    return machine | {"model": args.model} | versions
 
 
 if __name__ == "__main__":
