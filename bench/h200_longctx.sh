@@ -13,11 +13,12 @@
 #      8,192-row chunk ending at 32k (the default was chosen at 4 x 4,096); prints the best
 # Expected in all about 370 s, 400 with part 5. Each part runs under a timeout cut to what the
 # deadline (410 s after the wheels) leaves after the expected time of the parts after it; one
-# failing part does not stop the others. Results (JSON) and logs go to OUTDIR; needs the
-# wheels in .whl/ and .tok/SmolLM2-135M-Instruct/ (see h200_session.sh).
+# failing part does not stop the others. Results (JSON) and logs go to OUTDIR as one file,
+# longctx_h200.tgz; needs the wheels in .whl/ and .tok/SmolLM2-135M-Instruct/ (see
+# h200_session.sh).
 set -uo pipefail
-out=$(realpath -m "$1")
-mkdir -p "$out"
+out=$(realpath -m "$1") work=/tmp/longctx_h200
+rm -rf "$work" && mkdir -p "$out" "$work"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -28,29 +29,37 @@ limit() {  # limit CAP RESERVE: CAP seconds, or less where the later parts need 
   echo $((left < $1 ? (left > 10 ? left : 10) : $1))
 }
 
+facts() {  # the figures of a throughput result, in one line
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); a = r["asyncllm"]
+print({"fraction_of_floor": round(r["fraction_of_floor"], 3), **a["engine"],
+       "compiled_during_run": a["triton_kernels_compiled_during_run"]})' "$1" 2> /dev/null
+}
+
 long=(--num-requests 64 --min-len 8192 --max-len 32768 --min-output-len 128
   --max-output-len 512 --max-model-len 40960 --max-num-batched-tokens 8192 --max-num-seqs 64
   --no-peer --disable-tqdm)
 
 echo "== 0. GPU test at max_model_len 40,960"
 timeout "$(limit 70 320)" python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py \
-  -k gpu > "$out/gpu_tests_longctx_h200.txt" 2>&1
-tail -2 "$out/gpu_tests_longctx_h200.txt"
+  -k gpu > "$work/gpu_tests_longctx_h200.txt" 2>&1
+tail -2 "$work/gpu_tests_longctx_h200.txt"
 
 echo "== 1. long contexts, qwen3-0.6b"
 timeout "$(limit 130 245)" python3 bench/throughput.py --shape qwen3-0.6b "${long[@]}" \
-  --out "$out/throughput_longctx_qwen3_h200.json" > "$out/throughput_longctx_qwen3.log" 2>&1
-tail -3 "$out/throughput_longctx_qwen3.log"
+  --out "$work/throughput_longctx_qwen3_h200.json" > "$work/throughput_longctx_qwen3.log" 2>&1
+tail -3 "$work/throughput_longctx_qwen3.log"
+facts "$work/throughput_longctx_qwen3_h200.json"
 
 echo "== 2. attention at 32k"
 timeout "$(limit 60 210)" python3 bench/kernels.py --sections decode_long prefill_long mixed_long \
-  --long-context 32768 --out "$out/kernels_longctx_h200.json" > "$out/kernels_longctx.log" 2>&1
-grep -E "^(copy|(decode|prefill|mixed)_long +\{|best|Traceback)" "$out/kernels_longctx.log"
+  --long-context 32768 --out "$work/kernels_longctx_h200.json" > "$work/kernels_longctx.log" 2>&1
+grep -E "^(copy|(decode|prefill|mixed)_long +\{|best|Traceback)" "$work/kernels_longctx.log"
 
 echo "== 3. long contexts, llama-3.1-8b"
 timeout "$(limit 160 100)" python3 bench/throughput.py --shape llama-3.1-8b "${long[@]}" \
-  --out "$out/throughput_longctx_llama8b_h200.json" > "$out/throughput_longctx_llama8b.log" 2>&1
-tail -3 "$out/throughput_longctx_llama8b.log"
+  --out "$work/throughput_longctx_llama8b_h200.json" > "$work/throughput_longctx_llama8b.log" 2>&1
+tail -3 "$work/throughput_longctx_llama8b.log"
+facts "$work/throughput_longctx_llama8b_h200.json"
 
 echo "== 4. multi-turn chat, shared prefixes"
 # the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer, as serving_model() in
@@ -67,12 +76,12 @@ engine=(--max-model-len 4096 --max-num-batched-tokens 8192 --long-prefill-token-
 chats=(--num-conversations 256 --min-turns 2 --max-turns 6 --min-len 4 --max-len 1024
   --max-context 4096 --vocab-size 49152)
 timeout "$(limit 70 60)" python3 bench/multiturn.py offline "${chats[@]}" --model /tmp/q3 \
-  "${engine[@]}" --out "$out/multiturn_offline_h200.json" > "$out/multiturn_offline.log" 2>&1
-tail -2 "$out/multiturn_offline.log"
+  "${engine[@]}" --out "$work/multiturn_offline_h200.json" > "$work/multiturn_offline.log" 2>&1
+tail -2 "$work/multiturn_offline.log"
 port=8766
 # in a session of its own, so that its engine core process stops with it (part 5 needs the GPU)
 setsid python3 -m asyncllm.serve --model /tmp/q3 --port $port "${engine[@]}" \
-  --max-concurrent-requests 0 > "$out/multiturn_server.log" 2>&1 &
+  --max-concurrent-requests 0 > "$work/multiturn_server.log" 2>&1 &
 server=$!
 for _ in $(seq "$(limit 90 35)"); do
   curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
@@ -80,11 +89,11 @@ for _ in $(seq "$(limit 90 35)"); do
   sleep 1
 done
 offline=()
-[[ -f $out/multiturn_offline_h200.json ]] && offline=(--offline "$out/multiturn_offline_h200.json")
+[[ -f $work/multiturn_offline_h200.json ]] && offline=(--offline "$work/multiturn_offline_h200.json")
 timeout "$(limit 100 10)" python3 bench/multiturn.py serve "${chats[@]}" \
-  --base-url "http://127.0.0.1:$port" "${offline[@]}" --out "$out/multiturn_h200.json" \
-  > "$out/multiturn.log" 2>&1
-tail -4 "$out/multiturn.log"
+  --base-url "http://127.0.0.1:$port" "${offline[@]}" --out "$work/multiturn_h200.json" \
+  > "$work/multiturn.log" 2>&1
+tail -4 "$work/multiturn.log"
 kill -TERM -- -$server 2> /dev/null
 for _ in $(seq 40); do  # the server is this shell's only background job
   [[ -z $(jobs -rp) ]] && break
@@ -96,9 +105,11 @@ wait $server 2> /dev/null
 if ((deadline - SECONDS >= 30)); then
   echo "== 5. prefill tiles at 32k"
   timeout "$(limit 60 0)" python3 bench/kernels.py --sections prefill_long_sweep \
-    --long-context 32768 --out "$out/kernels_prefill_long_sweep_h200.json" \
-    > "$out/kernels_prefill_long_sweep.log" 2>&1
-  grep -E "^(copy|best|Traceback)" "$out/kernels_prefill_long_sweep.log"
+    --long-context 32768 --out "$work/kernels_prefill_long_sweep_h200.json" \
+    > "$work/kernels_prefill_long_sweep.log" 2>&1
+  grep -E "^(copy|best|Traceback)" "$work/kernels_prefill_long_sweep.log"
 fi
-grep -h "engine step failed\|Error" "$out"/*.log 2> /dev/null | head -5
-echo "done in ${SECONDS} s"
+grep -h "engine step failed\|Error" "$work"/*.log 2> /dev/null | head -5
+# one file back: the device returns at most 8 from its OUT
+tar czf "$out/longctx_h200.tgz" -C "$work" .
+echo "done in ${SECONDS} s: $out/longctx_h200.tgz"
