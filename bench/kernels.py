@@ -37,7 +37,11 @@ from kernels import (  # noqa: E402
     silu_and_mul,
 )
 from kernels._common import AttentionConfig  # noqa: E402
-from kernels.decode_attention import choose_num_splits, default_decode_config  # noqa: E402
+from kernels.decode_attention import (  # noqa: E402
+    DecodeSplit,
+    choose_decode_split,
+    default_decode_config,
+)
 from kernels.prefill_attention import (  # noqa: E402
     default_prefill_config,
     short_query_prefill_config,
@@ -129,12 +133,8 @@ def bench_decode(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     out = torch.empty_like(query)
-    splits = num_splits or choose_num_splits(
-        batch,
-        NUM_KV_HEADS,
-        max(seq_lens),
-        torch.cuda.get_device_properties(0).multi_processor_count,
-    )
+    # None: the kernel's own choice, which this reports
+    chosen = DecodeSplit(num_splits) if num_splits else _default_split(seq_lens)
     ms = median_ms(
         lambda: paged_decode_attention(
             query,
@@ -144,7 +144,7 @@ def bench_decode(
             HEAD_DIM**-0.5,
             out,
             max_seq_len=max(seq_lens),
-            num_splits=splits,
+            num_splits=num_splits,
             config=config,
         )
     )
@@ -154,7 +154,8 @@ def bench_decode(
     return {
         "batch": batch,
         "context": context if isinstance(context, int) else round(sum(seq_lens) / batch),
-        "num_splits": splits,
+        "num_splits": chosen.num_splits,
+        "min_split_tokens": chosen.min_tokens,
         "config": vars(config),
         "ms": ms,
         "tbps": tbps,
@@ -258,7 +259,8 @@ def bench_mixed_long(
     `chunk` queries ending at chunk_context. decode_splits None: all in the prefill kernel's
     128-row tiles, each decode a tile of its own (the backend under min_split_decodes
     decodes); else the decodes in the decode kernel in that many splits (the backend's 1 from
-    min_split_decodes on) and the chunk in the prefill kernel."""
+    min_split_decodes on; 0: as choose_decode_split splits them) and the chunk in the prefill
+    kernel."""
     d = len(decode_lens)
     inputs = PrefillInputs.random([1] * d + [chunk], [*decode_lens, chunk_context])
 
@@ -271,7 +273,8 @@ def bench_mixed_long(
                 inputs.seq_lens[:d],
                 HEAD_DIM**-0.5,
                 inputs.out[:d],
-                num_splits=decode_splits,
+                max_seq_len=max(decode_lens),
+                num_splits=decode_splits or None,
             )
         inputs.prefill(chunk, first=0 if decode_splits is None else d)
 
@@ -347,9 +350,9 @@ def bench_ops(copy_tbps: float) -> list[dict]:
     return results
 
 
-def _default_splits(seq_lens: list[int]) -> int:
+def _default_split(seq_lens: list[int]) -> DecodeSplit:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return choose_num_splits(len(seq_lens), NUM_KV_HEADS, max(seq_lens), sms)
+    return choose_decode_split(len(seq_lens), NUM_KV_HEADS, max(seq_lens), sms)
 
 
 def long_context_sections(
@@ -357,7 +360,7 @@ def long_context_sections(
 ) -> list[tuple[str, Callable[[], object]]]:
     """Attention at long contexts (issue 28's 32k figures): decode at `context` by batch, and
     over 32 and 64 lengths spread as the long-context workload's (U[context / 4, context]) by
-    split count (None: choose_num_splits'); prefill chunks ending at `context`; a mixed step
+    split count (None: choose_decode_split's); prefill chunks ending at `context`; a mixed step
     of that workload, its decodes in the prefill kernel or in the decode kernel; the prefill
     tiles swept over an 8,192-row chunk ending at `context`."""
     spread = mixed_lengths(64, context // 4, context, "drawn")
@@ -385,7 +388,7 @@ def long_context_sections(
             lambda: [
                 bench_mixed_long(spread[:d], 8192, context, matmul_tflops, splits)
                 for d in (8, 32, 63)
-                for splits in (None, 1, _default_splits(spread[:d]))
+                for splits in (None, 1, 0)
             ],
         ),
         (
