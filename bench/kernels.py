@@ -1,6 +1,7 @@
 """Kernel benchmarks on one GPU: bandwidth and FLOP rates against ceilings measured in the same run.
 
     python bench/kernels.py --out bench/results/kernels_h200.json
+    python bench/kernels.py --sections decode_long prefill_long mixed_long --long-context 32768
 
 Ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul. Decode
 attention counts the KV bytes it must read plus q and out; prefill counts 4 * head_dim FLOPs per
@@ -16,6 +17,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +37,11 @@ from kernels import (  # noqa: E402
     silu_and_mul,
 )
 from kernels._common import AttentionConfig  # noqa: E402
-from kernels.decode_attention import choose_num_splits, default_decode_config  # noqa: E402
+from kernels.decode_attention import (  # noqa: E402
+    DecodeSplit,
+    choose_decode_split,
+    default_decode_config,
+)
 from kernels.prefill_attention import (  # noqa: E402
     default_prefill_config,
     short_query_prefill_config,
@@ -127,12 +133,8 @@ def bench_decode(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     out = torch.empty_like(query)
-    splits = num_splits or choose_num_splits(
-        batch,
-        NUM_KV_HEADS,
-        max(seq_lens),
-        torch.cuda.get_device_properties(0).multi_processor_count,
-    )
+    # None: the kernel's own choice, which this reports
+    chosen = DecodeSplit(num_splits) if num_splits else _default_split(seq_lens)
     ms = median_ms(
         lambda: paged_decode_attention(
             query,
@@ -142,7 +144,7 @@ def bench_decode(
             HEAD_DIM**-0.5,
             out,
             max_seq_len=max(seq_lens),
-            num_splits=splits,
+            num_splits=num_splits,
             config=config,
         )
     )
@@ -152,7 +154,8 @@ def bench_decode(
     return {
         "batch": batch,
         "context": context if isinstance(context, int) else round(sum(seq_lens) / batch),
-        "num_splits": splits,
+        "num_splits": chosen.num_splits,
+        "min_split_tokens": chosen.min_tokens,
         "config": vars(config),
         "ms": ms,
         "tbps": tbps,
@@ -187,32 +190,50 @@ def bench_kv_write(num_tokens: int, copy_tbps: float) -> dict:
     }
 
 
+@dataclass
+class PrefillInputs:
+    """A paged cache holding the requests' seq_lens, and their queries' last query_lens rows."""
+
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    query: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def random(cls, query_lens: list[int], seq_lens: list[int]) -> PrefillInputs:
+        kv_cache, tables = make_cache(seq_lens)
+        starts = torch.tensor(
+            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+        )
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        return cls(kv_cache, tables, starts, lens, query, torch.empty_like(query))
+
+    def prefill(self, max_query_len: int, first: int = 0, **kwargs) -> None:
+        """The prefill kernel over the requests from `first` on."""
+        paged_prefill_attention(
+            self.query,
+            self.kv_cache,
+            self.query_start_loc[first:],
+            self.seq_lens[first:],
+            self.block_tables[first:],
+            HEAD_DIM**-0.5,
+            max_query_len,
+            self.out,
+            **kwargs,
+        )
+
+
 def bench_prefill(
     query_lens: list[int],
     seq_lens: list[int],
     matmul_tflops: float,
     config: AttentionConfig | None = None,
 ) -> dict:
-    kv_cache, tables = make_cache(seq_lens)
-    starts = torch.tensor(
-        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
-    )
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    out = torch.empty_like(query)
-    ms = median_ms(
-        lambda: paged_prefill_attention(
-            query,
-            kv_cache,
-            starts,
-            lens,
-            tables,
-            HEAD_DIM**-0.5,
-            max(query_lens),
-            out,
-            config=config,
-        )
-    )
+    inputs = PrefillInputs.random(query_lens, seq_lens)
+    ms = median_ms(lambda: inputs.prefill(max(query_lens), config=config))
     pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
     tflops = 4 * HEAD_DIM * NUM_HEADS * pairs / ms / 1e9
     config = config or default_prefill_config(DTYPE)
@@ -221,6 +242,51 @@ def bench_prefill(
         "seq_lens": sorted(set(seq_lens)),
         "num_reqs": len(query_lens),
         "config": vars(config),
+        "ms": ms,
+        "tflops": tflops,
+        "pct_of_matmul": 100 * tflops / matmul_tflops,
+    }
+
+
+def bench_mixed_long(
+    decode_lens: list[int],
+    chunk: int,
+    chunk_context: int,
+    matmul_tflops: float,
+    decode_splits: int | None,
+) -> dict:
+    """A long-context mixed step's attention: decodes of decode_lens beside a prompt chunk of
+    `chunk` queries ending at chunk_context. decode_splits None: all in the prefill kernel's
+    128-row tiles, each decode a tile of its own (the backend under min_split_decodes
+    decodes); else the decodes in the decode kernel in that many splits (the backend's 1 from
+    min_split_decodes on; 0: as choose_decode_split splits them) and the chunk in the prefill
+    kernel."""
+    d = len(decode_lens)
+    inputs = PrefillInputs.random([1] * d + [chunk], [*decode_lens, chunk_context])
+
+    def step() -> None:
+        if decode_splits is not None:
+            paged_decode_attention(
+                inputs.query[:d],
+                inputs.kv_cache,
+                inputs.block_tables[:d],
+                inputs.seq_lens[:d],
+                HEAD_DIM**-0.5,
+                inputs.out[:d],
+                max_seq_len=max(decode_lens),
+                num_splits=decode_splits or None,
+            )
+        inputs.prefill(chunk, first=0 if decode_splits is None else d)
+
+    ms = median_ms(step)
+    pairs = sum(decode_lens) + chunk * (chunk_context - chunk) + chunk * (chunk + 1) // 2
+    tflops = 4 * HEAD_DIM * NUM_HEADS * pairs / ms / 1e9
+    return {
+        "decode_splits": decode_splits,
+        "num_decodes": d,
+        "decode_context": round(sum(decode_lens) / d),
+        "chunk": chunk,
+        "seq_lens": [chunk_context],
         "ms": ms,
         "tflops": tflops,
         "pct_of_matmul": 100 * tflops / matmul_tflops,
@@ -284,7 +350,56 @@ def bench_ops(copy_tbps: float) -> list[dict]:
     return results
 
 
-def run_all(command: str, only: list[str] | None = None) -> dict:
+def _default_split(seq_lens: list[int]) -> DecodeSplit:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return choose_decode_split(len(seq_lens), NUM_KV_HEADS, max(seq_lens), sms)
+
+
+def long_context_sections(
+    context: int, copy_tbps: float, matmul_tflops: float
+) -> list[tuple[str, Callable[[], object]]]:
+    """Attention at long contexts (issue 28's 32k figures): decode at `context` by batch, and
+    over 32 and 64 lengths spread as the long-context workload's (U[context / 4, context]) by
+    split count (None: choose_decode_split's); prefill chunks ending at `context`; a mixed step
+    of that workload, its decodes in the prefill kernel or in the decode kernel; the prefill
+    tiles swept over an 8,192-row chunk ending at `context`."""
+    spread = mixed_lengths(64, context // 4, context, "drawn")
+    return [
+        (
+            "decode_long",
+            lambda: (
+                [bench_decode(b, context, copy_tbps) for b in (1, 8, 32, 64)]
+                + [
+                    {"order": "drawn"} | bench_decode(b, spread[:b], copy_tbps, num_splits=s)
+                    for b in (32, 64)
+                    for s in (1, 2, 4, 8, None)
+                ]
+            ),
+        ),
+        (
+            "prefill_long",
+            lambda: [
+                bench_prefill([chunk], [context], matmul_tflops)
+                for chunk in (512, 2048, 8192, context)
+            ],
+        ),
+        (
+            "mixed_long",
+            lambda: [
+                bench_mixed_long(spread[:d], 8192, context, matmul_tflops, splits)
+                for d in (8, 32, 63)
+                for splits in (None, 1, 0)
+            ],
+        ),
+        (
+            # the chunked prefill's tiles at long contexts: the default was chosen at 4 x 4096
+            "prefill_long_sweep",
+            lambda: [bench_prefill([8192], [context], matmul_tflops, c) for c in PREFILL_SWEEP],
+        ),
+    ]
+
+
+def run_all(command: str, only: list[str] | None = None, long_context: int = 32768) -> dict:
     torch.manual_seed(0)
     copy_tbps = measure_copy_tbps()
     matmul_tflops = measure_matmul_tflops()
@@ -305,6 +420,7 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
             "dtype": "bfloat16",
         },
         "ceilings": {"copy_tbps": copy_tbps, "matmul_bf16_tflops": matmul_tflops},
+        "long_context": long_context,
     }
     sections: list[tuple[str, Callable[[], object]]] = [
         ("decode", lambda: [bench_decode(256, ctx, copy_tbps) for ctx in (1024, 4096)]),
@@ -391,6 +507,7 @@ def run_all(command: str, only: list[str] | None = None) -> dict:
         ),
         ("sdpa_reference", lambda: [bench_sdpa_reference(4, 4096, matmul_tflops)]),
         ("ops", lambda: bench_ops(copy_tbps)),
+        *long_context_sections(long_context, copy_tbps, matmul_tflops),
     ]
     unknown = set(only or ()) - {name for name, _ in sections}
     if unknown:
@@ -434,6 +551,10 @@ def summary(result: dict) -> str:
     )
     flop_keys = (
         "config",
+        "decode_splits",
+        "num_decodes",
+        "decode_context",
+        "chunk",
         "query_lens",
         "seq_lens",
         "num_reqs",
@@ -451,12 +572,13 @@ def summary(result: dict) -> str:
                 "decode_mid_batch_splits",
                 "decode_mixed_lengths",
                 "decode_tiles_by_batch",
+                "decode_long",
                 "kv_write",
                 "ops",
             ),
             bandwidth_keys,
         ),
-        (("prefill", "prefill_mixed", "sdpa_reference"), flop_keys),
+        (("prefill", "prefill_mixed", "sdpa_reference", "prefill_long", "mixed_long"), flop_keys),
     ):
         for name in names:
             for row in _rows(result, name):
@@ -470,6 +592,7 @@ def summary(result: dict) -> str:
         ("decode_sweep", "tbps"),
         ("decode_mixed_lengths_sweep", "tbps"),
         ("prefill_sweep", "tflops"),
+        ("prefill_long_sweep", "tflops"),
     ):
         rows = [r for r in _rows(result, name) if key in r]
         if rows:
@@ -482,8 +605,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_h200.json"))
     parser.add_argument("--sections", nargs="+", help="run only these sections (default: all)")
+    parser.add_argument(
+        "--long-context",
+        type=int,
+        default=32768,
+        help="the context of the *_long sections (decode, prefill chunks, mixed steps)",
+    )
     args = parser.parse_args()
-    result = run_all(" ".join(["python", *sys.argv]), args.sections)
+    result = run_all(" ".join(["python", *sys.argv]), args.sections, args.long_context)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(summary(result))

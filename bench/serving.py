@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import datetime
 import json
@@ -271,16 +272,24 @@ async def benchmark(args: argparse.Namespace, workload: list[SampleRequest]) -> 
     return {"server": described} | summary
 
 
+async def server_metrics(session: aiohttp.ClientSession, server: Server) -> dict[str, float]:
+    """The server's /metrics samples by name, summed over their labels (a counter's total over
+    models); empty where it has no /metrics."""
+    async with session.get(server.base_url + "/metrics", headers=server.headers) as response:
+        if response.status != 200:
+            return {}
+        samples: dict[str, float] = collections.defaultdict(float)
+        for line in (await response.text()).splitlines():
+            if line and not line.startswith("#"):
+                name_labels, value = line.rsplit(" ", 1)
+                samples[name_labels.partition("{")[0]] += float(value)
+        return dict(samples)
+
+
 async def server_cpu_seconds(session: aiohttp.ClientSession, server: Server) -> float | None:
     """The server process's CPU time from its /metrics (None where it does not report it).
     With the engine core in a process of its own, this is the front end's alone."""
-    async with session.get(server.base_url + "/metrics", headers=server.headers) as response:
-        if response.status != 200:
-            return None
-        for line in (await response.text()).splitlines():
-            if line.startswith("process_cpu_seconds_total "):
-                return float(line.split()[1])
-    return None
+    return (await server_metrics(session, server)).get("process_cpu_seconds_total")
 
 
 def server_cpu(seconds: float, results: list[RequestResult]) -> dict:

@@ -1,7 +1,9 @@
 """Offline throughput: asyncllm against Hugging Face transformers, measured in the same run.
 
-Workload: N requests whose prompt and output lengths are each uniform in [min_len, max_len]
-(seed 0), random token ids, ignore_eos. The peer is HF transformers as its users run it: on CPU
+Workload: N requests whose prompt lengths are uniform in [min_len, max_len] and output lengths
+in [min_output_len, max_output_len] (the same range unless given; seed 0), random token ids,
+ignore_eos. The long-context workload of issue 28: `--num-requests 64 --min-len 8192 --max-len
+32768 --min-output-len 128 --max-output-len 512 --max-model-len 40960`. The peer is HF transformers as its users run it: on CPU
 `generate` in static batches (left-padded, each batch run to its longest output, only requested
 tokens counted); on CUDA continuous batching (`continuous_batching_context_manager`, CUDA graphs).
 The floor is the workload's physical limit from rates measured in the same run: on CPU all FLOPs
@@ -51,9 +53,18 @@ def triton_cache_entries() -> set[str]:
     return {entry.name for entry in folder.iterdir()} if folder.is_dir() else set()
 
 
-def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> Workload:
+def make_workload(
+    n: int,
+    min_len: int,
+    max_len: int,
+    vocab: int,
+    seed: int,
+    output_range: tuple[int, int] | None = None,
+) -> Workload:
+    """Prompts in [min_len, max_len], outputs in output_range (None: the same range)."""
     rng = random.Random(seed)
-    lengths = [(rng.randint(min_len, max_len), rng.randint(min_len, max_len)) for _ in range(n)]
+    low, high = output_range or (min_len, max_len)
+    lengths = [(rng.randint(min_len, max_len), rng.randint(low, high)) for _ in range(n)]
     # ids from the ordinary vocabulary range, avoiding the special tokens at the start
     return [([rng.randint(100, vocab - 1) for _ in range(p)], o) for p, o in lengths]
 
@@ -148,7 +159,11 @@ def token_flops(config: transformers.PretrainedConfig, context: int) -> float:
 
 
 def prefill_flops(config, workload: Workload) -> float:
-    return sum(token_flops(config, t) for p, _ in workload for t in range(len(p)))
+    """The sum of token_flops over every prompt position, in closed form: a 32k prompt has
+    32k positions, which summed one by one took seconds."""
+    layers, heads, _, head_dim = _geometry(config)
+    weights, attention = 2 * weight_count(config), layers * 4 * heads * head_dim
+    return sum(weights * len(p) + attention * len(p) * (len(p) - 1) // 2 for p, _ in workload)
 
 
 def decode_contexts(workload: Workload) -> Iterator[list[int]]:
@@ -204,7 +219,11 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
     )
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
-    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # reversed, so that the run finds none of its prompts in the prefix cache (4 of the long
+    # context workload's 64 prompts would skip their prefill); at most 1,024 tokens, as the
+    # default workload's are
+    warmup = [{"prompt_token_ids": p[:1024][::-1]} for p, _ in workload[:4]]
+    llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     phases = time_phases(llm) if args.profile_steps else None
     cached = triton_cache_entries()
     cpu_start, start = time.process_time(), time.perf_counter()
@@ -219,6 +238,7 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
         "cpu_seconds": cpu_seconds,
         "async_scheduling": llm.config.async_scheduling,
         "triton_kernels_compiled_during_run": compiled,
+        "engine": engine_facts(llm),
     }
     if phases is not None:
         result["seconds_by_phase"] = dict(phases)
@@ -229,6 +249,21 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
         if phases is not None:
             result["single_stream"]["seconds_by_phase"] = dict(phases)
     return result
+
+
+def engine_facts(llm: LLM) -> dict:
+    """The limits the run met: how many tokens the KV cache holds (a workload needing more at
+    once waits or preempts), the preemptions (each recomputes a prompt) and the step budget."""
+    capacity, scheduler = llm.core_client.capacity, llm.config.scheduler
+    stats = llm.core_client.core.stats()
+    return {
+        "kv_cache_tokens": capacity.num_blocks * capacity.block_size,
+        "num_preemptions": stats.num_preemptions,
+        "prefix_cache_hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+        "max_model_len": scheduler.max_model_len,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "long_prefill_token_threshold": scheduler.long_prefill_token_threshold,
+    }
 
 
 def time_phases(llm: LLM, extra: tuple[tuple[object, str], ...] = ()) -> dict[str, float]:
@@ -368,6 +403,12 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32, help="requests in the workload")
     parser.add_argument("--min-len", type=int, default=16, help="shortest prompt and output")
     parser.add_argument("--max-len", type=int, default=256, help="longest prompt and output")
+    parser.add_argument(
+        "--min-output-len", type=int, default=None, help="shortest output (None: --min-len)"
+    )
+    parser.add_argument(
+        "--max-output-len", type=int, default=None, help="longest output (None: --max-len)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the workload's lengths and ids")
     parser.add_argument("--max-model-len", type=int, default=None, help="the engine's flag")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="the engine's flag")
@@ -397,8 +438,12 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
-    print(f"{parser.prog}: {args.num_requests} requests, lengths U[{args.min_len}, "
-          f"{args.max_len}]", file=sys.stderr)  # fmt: skip
+    output_range = (
+        args.min_len if args.min_output_len is None else args.min_output_len,
+        args.max_len if args.max_output_len is None else args.max_output_len,
+    )
+    print(f"{parser.prog}: {args.num_requests} requests, prompts U[{args.min_len}, "
+          f"{args.max_len}], outputs U{list(output_range)}", file=sys.stderr)  # fmt: skip
 
     if args.shape:
         path = write_shape(args.shape, Path(tempfile.mkdtemp(prefix=f"{args.shape}-")))
@@ -409,13 +454,15 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     workload = make_workload(
-        args.num_requests, args.min_len, args.max_len, config.vocab_size, args.seed
+        args.num_requests, args.min_len, args.max_len, config.vocab_size, args.seed, output_range
     )
     output_tokens = sum(o for _, o in workload)
 
     load_at_start = os.getloadavg()
     rates = {"matmul_flops_per_s": matmul_rate(device, dtype)}
     rates["copy_bytes_per_s"] = copy_bandwidth(device)
+    if device.type == "cuda":  # the rates' 2.3 GB back, for the engine's KV cache
+        torch.cuda.empty_cache()
     matmul, copy = rates["matmul_flops_per_s"], rates["copy_bytes_per_s"]
     roofline = None
     if device.type == "cuda":
@@ -465,6 +512,8 @@ def main() -> None:
             "num_requests": args.num_requests,
             "min_len": args.min_len,
             "max_len": args.max_len,
+            "min_output_len": output_range[0],
+            "max_output_len": output_range[1],
             "seed": args.seed,
             "prompt_tokens": sum(len(p) for p, _ in workload),
             "output_tokens": output_tokens,

@@ -12,7 +12,7 @@ import importlib
 _MODULE_OF = {
     "silu_and_mul": "activation",
     "reshape_and_cache": "cache",
-    "choose_num_splits": "decode_attention",
+    "choose_decode_split": "decode_attention",
     "paged_decode_attention": "decode_attention",
     "fp8_block_gemm": "fp8_gemm",
     "quantize_fp8": "fp8_quant",

@@ -18,6 +18,10 @@ from kernels._common import AttentionConfig, dot_precision, next_pow2, num_sms, 
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# long sequences split into pieces of at least this many keys, until there are BALANCE_WAVES
+# programs an SM (issue 28's long-context workload; `bench/NOTES.md`)
+LONG_SPLIT_TOKENS = 4096
+BALANCE_WAVES = 8
 LONG_TILE_MIN_SEQS = 64
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -71,7 +75,7 @@ def _widen_pairs(pairs, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRMT: tl.con
     return even, odd
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "min_tiles_per_split"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -85,6 +89,7 @@ def _decode_kernel(
     scale_log2,
     v_scale,
     num_seqs,
+    min_tiles_per_split,
     q_stride_s,
     q_stride_h,
     out_stride_s,
@@ -115,9 +120,10 @@ def _decode_kernel(
     # query rows past the last sequence (a padded batch) see no keys and come out as zeros
     seq_len = tl.load(seq_lens_ptr + seq, mask=seq < num_seqs, other=0)
 
-    # any split count covers any seq_len, so a captured graph stays right as sequences grow
+    # any split count covers any seq_len, so a captured graph stays right as sequences grow;
+    # the splits past a short sequence's last piece of min_tiles_per_split stay empty
     num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles_per_split)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -244,14 +250,35 @@ def _decode_reduce_kernel(
     )
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
-    """Split the keys only when (sequence, KV head) programs alone would leave SMs idle."""
+@dataclass(frozen=True)
+class DecodeSplit:
+    """Each sequence's keys in num_splits pieces, none shorter than min_tokens: the splits past
+    a short sequence's last piece stay empty."""
+
+    num_splits: int
+    min_tokens: int = 0
+
+
+def choose_decode_split(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int
+) -> DecodeSplit:
+    """Split the keys when (sequence, KV head) programs alone would leave SMs idle: when there
+    are fewer programs than SMs, or, with sequences of several LONG_SPLIT_TOKENS, fewer than
+    BALANCE_WAVES programs an SM. A program reads its sequence to the end: 32 sequences of 8k
+    to 32k tokens are 256 programs, about two an SM, and the SMs with short ones then idle
+    behind the longest. Those pieces are of at least LONG_SPLIT_TOKENS, so that a decode graph
+    captured for a long max_model_len leaves shorter sequences whole."""
     programs = num_seqs * num_kv_heads
-    if programs >= sms or max_seq_len <= MIN_TOKENS_PER_SPLIT:
-        return 1
-    by_occupancy = math.ceil(2 * sms / programs)
-    by_length = math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    if max_seq_len <= MIN_TOKENS_PER_SPLIT:
+        return DecodeSplit(1)
+    if programs < sms:
+        by_occupancy = math.ceil(2 * sms / programs)
+        by_length = math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)
+        return DecodeSplit(max(1, min(by_occupancy, by_length, MAX_SPLITS)))
+    by_balance = math.ceil(BALANCE_WAVES * sms / programs)
+    by_length = max_seq_len // LONG_SPLIT_TOKENS
+    num_splits = min(by_balance, by_length, MAX_SPLITS)
+    return DecodeSplit(num_splits, LONG_SPLIT_TOKENS) if num_splits > 1 else DecodeSplit(1)
 
 
 def default_decode_config(
@@ -324,7 +351,10 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, num_sms(query.device))
+        chosen = choose_decode_split(num_rows, num_kv_heads, max_seq_len, num_sms(query.device))
+    else:
+        chosen = DecodeSplit(num_splits)
+    num_splits = chosen.num_splits
     config = config or default_decode_config(query.dtype, num_rows, kv_cache.dtype)
     split = num_splits > 1
     if split:
@@ -353,6 +383,7 @@ def paged_decode_attention(
         scale * k_scale * _LOG2E,
         v_scale,
         seq_lens.shape[0],
+        -(-chosen.min_tokens // config.block_n),
         query.stride(0),
         query.stride(1),
         out.stride(0),

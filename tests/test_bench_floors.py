@@ -7,7 +7,14 @@ import math
 
 import transformers
 
-from bench.throughput import cpu_floor_seconds, cpu_roofline_floor_seconds, gpu_floor_seconds
+from bench.throughput import (
+    cpu_floor_seconds,
+    cpu_roofline_floor_seconds,
+    gpu_floor_seconds,
+    make_workload,
+    prefill_flops,
+    token_flops,
+)
 
 CONFIG = transformers.LlamaConfig(
     hidden_size=64,
@@ -37,3 +44,15 @@ def test_roofline_floor_is_at_least_either_bound() -> None:
     assert roofline < cpu_floor_seconds(CONFIG, WORKLOAD, 1e9) + gpu_floor_seconds(
         CONFIG, WORKLOAD, math.inf, 1e8, 4
     )
+
+
+def test_prefill_flops_sum_every_prompt_position() -> None:
+    by_position = sum(token_flops(CONFIG, t) for p, _ in WORKLOAD for t in range(len(p)))
+    assert prefill_flops(CONFIG, WORKLOAD) == by_position
+
+
+def test_outputs_take_their_own_range() -> None:
+    default = make_workload(50, 10, 20, vocab=1000, seed=3)
+    assert default == make_workload(50, 10, 20, vocab=1000, seed=3, output_range=(10, 20))
+    workload = make_workload(50, 10, 20, vocab=1000, seed=3, output_range=(1, 4))
+    assert all(10 <= len(p) <= 20 and 1 <= o <= 4 for p, o in workload)

@@ -16,12 +16,18 @@ from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.torch_backend import TorchAttentionBackend, gather_kv, write_kv_cache
 from asyncllm.attention.triton_backend import TritonAttentionBackend
 from kernels import (
-    choose_num_splits,
+    choose_decode_split,
+    decode_attention,
     paged_decode_attention,
     paged_prefill_attention,
     reshape_and_cache,
 )
-from kernels.decode_attention import LONG_TILE_MIN_SEQS, default_decode_config
+from kernels.decode_attention import (
+    LONG_SPLIT_TOKENS,
+    LONG_TILE_MIN_SEQS,
+    DecodeSplit,
+    default_decode_config,
+)
 from kernels.prefill_attention import default_prefill_config, short_query_prefill_config
 
 FULL = torch.cuda.is_available()
@@ -194,10 +200,34 @@ def test_decode_of_a_big_batch_in_long_tiles_matches_reference() -> None:
 
 
 def test_num_splits_only_when_sms_would_idle() -> None:
-    assert choose_num_splits(256, 8, 4096, sms=132) == 1
-    assert choose_num_splits(4, 8, 200, sms=132) == 1
-    assert choose_num_splits(4, 8, 16384, sms=132) == 9
-    assert choose_num_splits(1, 1, 1 << 20, sms=132) == 64
+    assert choose_decode_split(256, 8, 4096, sms=132) == DecodeSplit(1)
+    assert choose_decode_split(4, 8, 200, sms=132) == DecodeSplit(1)
+    assert choose_decode_split(4, 8, 16384, sms=132) == DecodeSplit(9)
+    assert choose_decode_split(1, 1, 1 << 20, sms=132) == DecodeSplit(64)
+
+
+def test_long_sequences_split_until_the_sms_have_several_programs() -> None:
+    # a decode graph's batch of 32 at max_model_len 40,960: 256 programs, 5 pieces each, none
+    # shorter than LONG_SPLIT_TOKENS
+    assert choose_decode_split(32, 8, 40960, sms=132) == DecodeSplit(5, LONG_SPLIT_TOKENS)
+    assert choose_decode_split(64, 8, 40960, sms=132) == DecodeSplit(3, LONG_SPLIT_TOKENS)
+    # enough programs already, or pieces that would be too short: as before
+    assert choose_decode_split(256, 8, 40960, sms=132).num_splits == 1
+    assert choose_decode_split(32, 8, 4096, sms=132).num_splits == 1
+    assert choose_decode_split(32, 8, 8192, sms=132).num_splits == 2
+
+
+def test_pieces_of_a_minimum_length_leave_short_sequences_whole(monkeypatch) -> None:
+    """Splits past a short sequence's last piece are empty; the result is the single pass's."""
+    monkeypatch.setattr(decode_attention, "LONG_SPLIT_TOKENS", 64)
+    query, _, _, kv_cache, meta = make_batch([1] * 3, [40, 150, 300], 4, 1, 64, torch.float32)
+    args = (query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    single = paged_decode_attention(*args, num_splits=1)
+    # 3 programs of 8 SMs' worth: as many splits as the longest sequence has pieces of 64
+    split = choose_decode_split(3, 1, 300, sms=2)
+    assert split == DecodeSplit(4, 64)
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 2)
+    assert relative_error(paged_decode_attention(*args, max_seq_len=300), single) < 1e-6
 
 
 def test_decode_split_k_agrees_with_single_pass() -> None:
