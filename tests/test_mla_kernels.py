@@ -10,7 +10,14 @@ import torch
 from test_model_vs_hf import metadata
 
 import kernels
-from asyncllm.attention.mla import attend_latent_torch, row_contexts, write_latent_cache
+from asyncllm.attention.mla import (
+    MixedRun,
+    _row_contexts,
+    attend_latent_torch,
+    mixed_runs,
+    row_contexts,
+    write_latent_cache,
+)
 from kernels.mla_decode import (
     CONFIG_TABLE,
     MLADecodeConfig,
@@ -151,6 +158,33 @@ def test_row_contexts_are_causal_per_request() -> None:
     request, length = row_contexts(meta, 6)  # two padding rows past the 4 real ones
     assert request.tolist()[:4] == [0, 0, 0, 1]
     assert length.tolist() == [5, 6, 7, 10, 0, 0]
+
+
+def test_row_contexts_run_once_a_step() -> None:
+    meta = metadata([(4, 3), (9, 1)], [[0, 1], [2, 3, 4]])
+    first = row_contexts(meta, 4)
+    assert row_contexts(meta, 4) is first  # the next layer's call launches nothing
+    assert row_contexts(meta, 6) is not first
+
+
+def test_pure_decode_rows_are_their_requests_last_positions() -> None:
+    meta = metadata([(4, 1), (0, 1), (9, 1)], [[0, 1], [2], [3, 4, 5]])
+    request, length = _row_contexts(meta, 3)
+    assert request.tolist() == [0, 1, 2] and length.tolist() == [5, 1, 10]
+    meta.max_query_len = 2  # the same rows through the general path
+    general = _row_contexts(meta, 3)
+    assert general[0].tolist() == [0, 1, 2] and general[1].tolist() == [5, 1, 10]
+
+
+def test_mixed_runs_group_neighbouring_decodes_only() -> None:
+    runs = mixed_runs([1, 1, 5, 1, 0, 1, 3, 1])
+    assert runs == [
+        MixedRun(0, 2, True, 0),
+        MixedRun(2, 5, False, 2),
+        MixedRun(7, 2, True, 3),  # the request of no tokens between them joins nothing
+        MixedRun(9, 3, False, 6),
+        MixedRun(12, 1, True, 7),
+    ]
 
 
 def test_splits_fill_the_gpu_without_a_partial_wave() -> None:
