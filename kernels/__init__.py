@@ -24,6 +24,7 @@ _MODULE_OF = {
     "paged_mla_decode": "mla_decode",
     "write_latent_cache": "mla_decode",
     "route_top_k": "moe_routing",
+    "tile_config": "fused_moe",
     "fused_add_rms_norm": "norm",
     "rms_norm": "norm",
     "paged_prefill_attention": "prefill_attention",

@@ -183,14 +183,13 @@ def _mlp(config: PretrainedConfig, index: int) -> nn.Module:
         topk_groups=config.topk_group if grouped else 1,
         routed_scaling_factor=config.routed_scaling_factor,
     )
-    shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
     return SparseMoeBlock(
         config.hidden_size,
         config.n_routed_experts,
         config.moe_intermediate_size,
         routing,
         f"model.layers.{index}.mlp",
-        shared,
+        config.n_shared_experts or 0,
     )
 
 
