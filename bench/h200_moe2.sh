@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 22, second round (branch moe2) on one H200, in at most 150 s from the start:
-#   1. GPU tests of what changed (at most 25 s): the interleaved rotary and in-place norm
-#      kernels, the routing kernel with shared experts appended, DeepSeek's MLA model against
-#      HF (mixed steps too) and the MLA row-context tests.
+#   1. GPU tests of what changed (at most 30 s): the interleaved rotary and in-place norm
+#      kernels, the routing kernel with shared experts appended, DeepSeek's models against HF
+#      (chunks, prefix hits, decodes, mixed steps; the fused MoE with the shared experts in it)
+#      and the MLA row-context tests.
 #   2. DeepSeek-V2-Lite's offline workload and batch-1 decode (bench/moe.py offline), then 32
 #      batch-1 decode steps under torch.profiler in the same engine (kernels, launches and
-#      kernel time a step, the top kernels). Whatever is left of the 150 s.
+#      kernel time a step, the top kernels); --phases times the host's step phases and the
+#      waits on the GPU (is the offline run host-bound?). Whatever is left of the 150 s.
 # Qwen3-30B-A3B's batch 1 does not fit in the same 150 s (its engine start alone is about a
 # minute); bench/h200_moe.sh OUT engine runs it.
 # Run from the repository root: bench/h200_moe2.sh OUTDIR. Each step under its own timeout.
@@ -17,16 +19,16 @@ set -uo pipefail
 out=$(realpath -m "$1")
 mkdir -p "$out"
 
-timeout 25 python3 -m pytest -rf -q -p no:cacheprovider tests/test_kernels_ops.py \
+timeout 30 python3 -m pytest -rf -q -p no:cacheprovider tests/test_kernels_ops.py \
   tests/test_moe_layer.py tests/test_moe_models.py tests/test_mla_kernels.py \
-  -k "rotary or rms_norm or in_place or shared or routing or deepseek or row_contexts or mixed_runs or pure_decode" \
+  -k "interleaved or in_place or shared or (deepseek and (mixed_step or chunks)) or row_contexts or pure_decode or mixed_runs" \
   > "$out/gpu_tests_moe2_h200.txt" 2>&1
 tail -3 "$out/gpu_tests_moe2_h200.txt"
 echo "tests done at $((SECONDS - start)) s"
 
 left=$((148 - (SECONDS - start)))
-timeout "$left" python3 bench/moe.py offline --shape deepseek-v2-lite --profile-batch1-steps 32 \
+timeout "$left" python3 bench/moe.py offline --shape deepseek-v2-lite --phases --profile-batch1-steps 32 \
   --out "$out/moe_offline_deepseek-v2-lite_h200.json" > "$out/moe_offline_deepseek-v2-lite_h200.txt" 2>&1
-tail -3 "$out/moe_offline_deepseek-v2-lite_h200.txt"
+tail -4 "$out/moe_offline_deepseek-v2-lite_h200.txt"
 echo "moe2: $((SECONDS - start)) s"
 grep -h "engine step failed\|Traceback" "$out"/*.txt 2>/dev/null | head -3

@@ -205,7 +205,7 @@ def offline(args) -> dict:
         long_prefill_token_threshold=0,
         enforce_eager=False,
         async_scheduling=None,
-        profile_steps=False,
+        profile_steps=args.phases,
         single_stream=True,
         profile_batch1_steps=args.profile_batch1_steps,
         tensor_parallel_size=1,
@@ -242,6 +242,8 @@ def offline(args) -> dict:
         f"tokens/s, floor {result['single_stream_floor_tokens_per_s']:.1f} "
         f"({result['single_stream_fraction_of_floor']:.0%})"
     )
+    if "seconds_by_phase" in ours:
+        print("seconds by phase:", {k: round(v, 2) for k, v in ours["seconds_by_phase"].items()})
     if "batch1_profile" in ours:
         profile = ours["batch1_profile"]
         print(
@@ -485,6 +487,9 @@ def main() -> None:
     parser.add_argument("what", choices=["offline", "kernels"])
     parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
     parser.add_argument("--no-mla", action="store_true", help="kernels: the fused MoE only")
+    parser.add_argument(
+        "--phases", action="store_true", help="offline: time the step's host phases and waits"
+    )
     parser.add_argument(
         "--profile-batch1-steps",
         type=int,
