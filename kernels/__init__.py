@@ -21,6 +21,7 @@ _MODULE_OF = {
     "rms_norm_gemv": "gemv_kernels",
     "silu_and_mul_gemv": "gemv_kernels",
     "int4_gemm": "int4_kernels",
+    "mla_norm_rope_and_cache": "mla_prep",
     "paged_mla_decode": "mla_decode",
     "write_latent_cache": "mla_decode",
     "route_top_k": "moe_routing",

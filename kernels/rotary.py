@@ -11,7 +11,7 @@ from kernels._common import next_pow2
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     x_ptr,
     stride_h,
     cos,
@@ -63,7 +63,7 @@ def _rotary_kernel(
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i, mask=i < HALF, other=0.0).to(
         tl.float32
     )
-    _rotate_heads(
+    rotate_heads(
         q_ptr + token * q_stride_t,
         q_stride_h,
         cos,
@@ -74,7 +74,7 @@ def _rotary_kernel(
         BLOCK_Q_HEADS,
         BLOCK_HALF,
     )
-    _rotate_heads(
+    rotate_heads(
         k_ptr + token * k_stride_t,
         k_stride_h,
         cos,

@@ -15,9 +15,12 @@ from asyncllm.attention.mla import (
     _row_contexts,
     attend_latent_torch,
     mixed_runs,
+    norm_rope_and_cache,
     row_contexts,
     write_latent_cache,
 )
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 from kernels.mla_decode import (
     CONFIG_TABLE,
     MLADecodeConfig,
@@ -151,6 +154,48 @@ def test_latent_cache_write_skips_padding() -> None:
     write_latent_cache(latent.cpu(), ref, slots.cpu())  # the torch path
     assert torch.equal(ours.cpu(), ref)
     assert torch.equal(ref[0].view(-1, width)[[5, 0, 17]], latent.cpu()[[0, 2, 3]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prep_kernel_matches_rope_norm_and_write_in_torch(dtype: torch.dtype) -> None:
+    """One launch for the query's rope parts (in place), the latent's norm and rope key and the
+    cache write, against the torch path the CPU runs; a padding token still rotates its query."""
+    heads, rank, rope = DIMS
+    nope, num_tokens = 7, 6
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    query = torch.randn(num_tokens, heads, nope + rope, generator=gen, device=DEVICE).to(dtype)
+    latent = torch.randn(num_tokens, rank + rope, generator=gen, device=DEVICE).to(dtype)
+    positions = torch.tensor([0, 5, 63, 1, 17, 40], device=DEVICE)
+    slots = torch.tensor([9, 0, -1, 200, 33, 4], device=DEVICE)
+    rotary = RotaryEmbedding(rope, 64, 1e4, None, interleaved=True).to(DEVICE)
+    norm = RMSNorm(rank, 1e-6).to(DEVICE)
+    torch.nn.init.normal_(norm.weight, generator=gen)
+    norm.to(dtype)
+    ours_query, ref_query = query.clone(), query.clone().cpu()
+    ours_cache, ref_cache = latent_cache(dtype), latent_cache(dtype).cpu()
+    kernels.mla_norm_rope_and_cache(
+        ours_query, latent, positions, rotary.cos_sin_cache, norm.weight, 1e-6, ours_cache, slots
+    )
+    norm_rope_and_cache(  # the torch path
+        ref_query,
+        latent.cpu(),
+        positions.cpu(),
+        rotary.cpu(),
+        norm.cpu(),
+        ref_cache,
+        slots.cpu(),
+    )
+    assert relative_error(ours_query.cpu(), ref_query) < TOLERANCE[dtype]
+    assert torch.equal(ours_query[..., :nope].cpu(), query[..., :nope].cpu())
+    written = slots[slots >= 0].cpu()
+    ours_rows, ref_rows = (
+        ours_cache.cpu()[0].view(-1, rank + rope),
+        ref_cache[0].view(-1, rank + rope),
+    )
+    assert relative_error(ours_rows[written], ref_rows[written]) < TOLERANCE[dtype]
+    assert relative_error(ours_rows[written, rank:], ref_rows[written, rank:]) < TOLERANCE[dtype]
+    ours_rows[written] = ref_rows[written]
+    assert torch.equal(ours_rows, ref_rows)  # no other slot written
 
 
 def test_row_contexts_are_causal_per_request() -> None:

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 import kernels
 from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,37 @@ def write_latent_cache(
         return
     valid = slot_mapping >= 0
     kv_cache[0].view(-1, latent.shape[1]).index_copy_(0, slot_mapping[valid], latent[valid])
+
+
+def norm_rope_and_cache(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: RotaryEmbedding,
+    latent_norm: RMSNorm,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """query [T, H, nope + rope]: its rope parts rotated in place. latent [T, rank + rope], the
+    kv_a projection's output: its first rank entries normalised and its rope key rotated, into
+    kv_cache at slot_mapping. On CUDA one launch (kernels.mla_norm_rope_and_cache)."""
+    if latent.is_cuda:
+        kernels.mla_norm_rope_and_cache(
+            query,
+            latent,
+            positions,
+            rotary.cos_sin_cache,
+            latent_norm.weight,
+            latent_norm.eps,
+            kv_cache,
+            slot_mapping,
+        )
+        return
+    rope = rotary.cos_sin_cache.shape[-1]
+    rank = latent.shape[1] - rope
+    rotary.rotate_(positions, query[..., -rope:], latent[:, None, rank:])
+    latent_norm.normalize_(latent[:, :rank])
+    write_latent_cache(latent, kv_cache, slot_mapping)
 
 
 def row_contexts(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.kv_cache_spec import KVCacheSpec
-from asyncllm.attention.mla import MLADims, MLAttention, write_latent_cache
+from asyncllm.attention.mla import MLADims, MLAttention, norm_rope_and_cache
 from asyncllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from asyncllm.layers.fused_moe import RoutingConfig
 from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear
@@ -87,16 +87,20 @@ class MLAProjections(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """The query [T, H, nope + rope]; each token's latent and rope key go to kv_cache. The
-        rope parts are rotated and the latent normalised in place, in the projections'
-        outputs: on CUDA five launches (two projections, rotary, norm, cache write)."""
+        """The query [T, H, nope + rope]; each token's latent and rope key go to kv_cache
+        (on CUDA three launches: the two projections, then norm, rope and cache write in one)."""
         dims = self.dims
         query = self.query(h).view(h.shape[0], dims.num_heads, -1)
         latent = self.kv_a_proj_with_mqa(h)
-        c, k_pe = latent.split([dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
-        self.rotary.rotate_(positions, query[..., dims.qk_nope_head_dim :], k_pe[:, None])
-        self.kv_a_layernorm.normalize_(c)
-        write_latent_cache(latent, kv_cache, meta.slot_mapping)
+        norm_rope_and_cache(
+            query,
+            latent,
+            positions,
+            self.rotary,
+            self.kv_a_layernorm,
+            kv_cache,
+            meta.slot_mapping,
+        )
         return query
 
 
