@@ -38,8 +38,11 @@ class AttentionMetadata:
     # host copies, so that CPU-side logic never syncs on the device
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    # what layers derive from the fields above, computed by the first layer that asks
-    derived: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    # what layers derive from the fields above, computed by the first layer that asks (not an
+    # __init__ field: dataclasses.replace gives a copy a cache of its own)
+    derived: dict[object, object] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def num_reqs(self) -> int:
