@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 22, second round (branch moe2) on one H200, in at most 150 s from the start:
 #   1. GPU tests of what changed (at most 30 s): the interleaved rotary and in-place norm
-#      kernels, the routing kernel with shared experts appended, DeepSeek's models against HF
-#      (chunks, prefix hits, decodes, mixed steps; the fused MoE with the shared experts in it)
-#      and the MLA row-context tests.
+#      kernels, the routing kernel with shared experts appended, the MLA prep kernel (bf16 too),
+#      the MLA row contexts, then DeepSeek's models against HF (chunks, prefix hits, decodes,
+#      mixed steps; the fused MoE with the shared experts in it).
 #   2. DeepSeek-V2-Lite's offline workload and batch-1 decode (bench/moe.py offline), then 32
 #      batch-1 decode steps under torch.profiler in the same engine (kernels, launches and
 #      kernel time a step, the top kernels); --phases times the host's step phases and the
@@ -20,8 +20,8 @@ out=$(realpath -m "$1")
 mkdir -p "$out"
 
 timeout 30 python3 -m pytest -rf -q -p no:cacheprovider tests/test_kernels_ops.py \
-  tests/test_moe_layer.py tests/test_moe_models.py tests/test_mla_kernels.py \
-  -k "interleaved or in_place or shared or (deepseek and (mixed_step or chunks)) or row_contexts or pure_decode or mixed_runs" \
+  tests/test_moe_layer.py tests/test_mla_kernels.py tests/test_moe_models.py \
+  -k "interleaved or in_place or shared or prep_kernel or row_contexts or pure_decode or mixed_runs or (deepseek and (mixed_step or chunks))" \
   > "$out/gpu_tests_moe2_h200.txt" 2>&1
 tail -3 "$out/gpu_tests_moe2_h200.txt"
 echo "tests done at $((SECONDS - start)) s"
