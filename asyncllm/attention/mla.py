@@ -146,7 +146,11 @@ def attend_absorbed(
     out_latent = attend(
         absorbed, kv_cache, block_tables, request, length, dims.scale, dims.kv_lora_rank
     )
-    return torch.einsum("thl,hdl->thd", out_latent, w_uv)
+    # per head into [T, H, v] directly (cuBLAS writes the strided rows): o_proj reads it flat,
+    # where the einsum's [H, T, v] layout cost a copy a layer at every batch above 1
+    out = out_latent.new_empty(*out_latent.shape[:2], dims.v_head_dim)
+    torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def attend_expanded(
