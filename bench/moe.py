@@ -205,8 +205,9 @@ def offline(args) -> dict:
         long_prefill_token_threshold=0,
         enforce_eager=False,
         async_scheduling=None,
-        profile_steps=False,
+        profile_steps=args.phases,
         single_stream=True,
+        profile_batch1_steps=args.profile_batch1_steps,
         tensor_parallel_size=1,
         quantization=None,
         disable_tqdm=True,
@@ -241,6 +242,15 @@ def offline(args) -> dict:
         f"tokens/s, floor {result['single_stream_floor_tokens_per_s']:.1f} "
         f"({result['single_stream_fraction_of_floor']:.0%})"
     )
+    if "seconds_by_phase" in ours:
+        print("seconds by phase:", {k: round(v, 2) for k, v in ours["seconds_by_phase"].items()})
+    if "batch1_profile" in ours:
+        profile = ours["batch1_profile"]
+        print(
+            f"batch-1 step: {profile['gpu_kernel_launches_per_step']:.0f} kernels, "
+            f"{profile['gpu_kernel_ms_per_step']:.2f} ms of kernels, "
+            f"{profile['wall_ms_per_step']:.2f} ms wall (profiled)"
+        )
     return {"rates": rates, **result}
 
 
@@ -477,6 +487,15 @@ def main() -> None:
     parser.add_argument("what", choices=["offline", "kernels"])
     parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
     parser.add_argument("--no-mla", action="store_true", help="kernels: the fused MoE only")
+    parser.add_argument(
+        "--phases", action="store_true", help="offline: time the step's host phases and waits"
+    )
+    parser.add_argument(
+        "--profile-batch1-steps",
+        type=int,
+        default=0,
+        help="offline: then profile this many batch-1 decode steps (kernels and launches a step)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
     run = {"offline": offline, "kernels": kernels_run}[args.what]

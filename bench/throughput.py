@@ -248,6 +248,10 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
         result["single_stream"] = single_stream(llm, workload[0][0][:128], 256)
         if phases is not None:
             result["single_stream"]["seconds_by_phase"] = dict(phases)
+    if getattr(args, "profile_batch1_steps", 0):  # bench/moe.py's option
+        from bench.profile_decode import profile_decode
+
+        result["batch1_profile"] = profile_decode(llm, 1, args.profile_batch1_steps)
     return result
 
 

@@ -352,8 +352,9 @@ def _grouped_gemm_kernel(
     """out[pair, n] = a[pair // rows_per_a] . w[expert(pair), n] for one BLOCK_M x BLOCK_N tile;
     with SILU_AND_MUL, silu(gate) * up where the up row is n + N of the same expert.
 
-    Only the store is masked: padding rows read row 0 of a and the columns past N wrap around
-    (both discarded), so the loads stay unpredicated where K is a multiple of BLOCK_K. With
+    The weights' loads are unpredicated where K is a multiple of BLOCK_K (the columns past N
+    wrap around, discarded by the masked store); a's are predicated on the row only, so padding
+    rows read nothing (see _load_rows). With
     WEIGHT_TMA, w_ptr is a descriptor of the weights viewed [E * w_rows, K] (Hopper's TMA unit
     copies each tile, zero past K; rows past N belong to the next rows, discarded too)."""
     if USE_PDL:  # every read below but the weights' is the kernel before's output
@@ -391,7 +392,7 @@ def _grouped_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        a = _load_k_tile(a_rows + k[None, :], (k < K)[None, :], EVEN_K)
+        a = _load_rows(a_rows + k[None, :], row_mask[:, None], (k < K)[None, :], EVEN_K)
         if WEIGHT_TMA:
             w = w_ptr.load([w_row, k0]).T
         else:
@@ -416,6 +417,15 @@ def _grouped_gemm_kernel(
 @triton.jit
 def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
     return tl.load(ptrs) if EVEN_K else tl.load(ptrs, mask=k_mask, other=0.0)
+
+
+@triton.jit
+def _load_rows(ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
+    """An activation tile, its padding rows zeros and unread. At decode sizes most of a 16-row
+    tile is padding (at one pair a tile, 15 rows); read unpredicated, each fetched row 0 again
+    (L1/L2 hits, but as many requests as the real rows' 16 times over at one token)."""
+    mask = row_mask if EVEN_K else row_mask & k_mask
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 def grouped_gemm(
@@ -531,6 +541,7 @@ def _summed_down_kernel(
     offs_n = (tl.program_id(0) % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.zeros((BLOCK_M,), dtype=tl.int64)
+    row_mask = (tl.arange(0, BLOCK_M) == 0)[:, None]
     k_steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, TOP_K * k_steps):
@@ -538,13 +549,12 @@ def _summed_down_kernel(
         k = (step % k_steps) * BLOCK_K + offs_k
         expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
         a_rows = a_ptr + (pair + rows)[:, None] * stride_am
-        a = _load_k_tile(a_rows + k[None, :], (k < K)[None, :], EVEN_K)
+        a = _load_rows(a_rows + k[None, :], row_mask, (k < K)[None, :], EVEN_K)
         w_cols = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn
         w = _load_k_tile(w_cols + k[:, None] * stride_wk, (k < K)[:, None], EVEN_K)
         routed = tl.load(topk_weights_ptr + pair).to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION) * routed
     out = out_ptr + token * stride_om + offs_n[None, :] + rows[:, None]
-    row_mask = (tl.arange(0, BLOCK_M) == 0)[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask & (offs_n < N)[None, :])
 
 

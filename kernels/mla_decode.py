@@ -61,11 +61,11 @@ class MLADecodeConfig:
 # row holds for more rows.
 # bench/mla_sweep.py prints this table from its H200 run (bench/results/mla_sweep_h200.json).
 CONFIG_TABLE = (
-    (1, 32, 8, 3, 1, 1, False, 0),
-    (8, 64, 8, 3, 1, 1, False, 0),
-    (32, 32, 4, 3, 2, 1, False, 0),
-    (64, 32, 4, 3, 2, 1, False, 0),
-    (128, 64, 8, 3, 1, 1, False, 0),
+    (1, 64, 8, 3, 1, 1, False, 256),
+    (8, 32, 4, 3, 2, 1, False, 0),
+    (32, 64, 8, 3, 1, 1, True, 0),
+    (64, 64, 8, 3, 1, 1, True, 0),
+    (128, 32, 4, 3, 2, 1, True, 0),
     (256, 32, 4, 3, 2, 1, False, 0),
 )
 # fp32 (tests, the reference checks): 16-token tiles keep three stages in shared memory

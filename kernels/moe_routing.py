@@ -1,5 +1,7 @@
 """The router's top-k in one kernel: each token's scores (softmax or sigmoid over the experts),
-its k best experts, their weights renormalized and scaled.
+its k best experts, their weights renormalized and scaled; then, where a model has shared
+experts, those (stacked after the routed ones) as further choices at weight 1, so that the fused
+MoE runs them with the routed ones instead of an MLP of its own (four launches a layer fewer).
 
 In torch that is a chain of six small ops (cast, softmax, topk, sum, divide, cast of the ids),
 each a launch of a few microseconds: at batch 1 they cost more than the routing's bytes, 48
@@ -28,6 +30,7 @@ def _top_k_routing_kernel(
     stride_t,
     scale,
     TOP_K: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
     SIGMOID: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -65,9 +68,13 @@ def _top_k_routing_kernel(
         scores = tl.where(experts[None, :] == best_id[:, None], -2.0, scores)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 1)[:, None]
-    out = rows[:, None] * TOP_K + choices[None, :]
-    mask = (rows < num_tokens)[:, None] & (choices < TOP_K)[None, :]
-    tl.store(weights_ptr + out, weights * scale, mask=mask)
+    weights = weights * scale
+    shared = (choices >= TOP_K)[None, :]
+    weights = tl.where(shared, 1.0, weights)
+    ids = tl.where(shared, num_experts + choices[None, :] - TOP_K, ids)
+    out = rows[:, None] * (TOP_K + NUM_SHARED) + choices[None, :]
+    mask = (rows < num_tokens)[:, None] & (choices < TOP_K + NUM_SHARED)[None, :]
+    tl.store(weights_ptr + out, weights, mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
 
 
@@ -77,13 +84,16 @@ def route_top_k(
     sigmoid: bool = False,
     renormalize: bool = True,
     scale: float = 1.0,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router_logits [T, E]: the k
-    best of softmax (or sigmoid) scores, renormalized to sum to 1 if asked, times scale."""
+    """(topk_weights float32 [T, k + s], topk_ids int32 [T, k + s]) from router_logits [T, E]:
+    the k best of softmax (or sigmoid) scores, renormalized to sum to 1 if asked, times scale;
+    then the num_shared experts E .. E + s - 1 at weight 1."""
     num_tokens, num_experts = router_logits.shape
     device = router_logits.device
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    width = top_k + num_shared
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return weights, ids
     block_e = max(16, next_pow2(num_experts))
@@ -98,11 +108,12 @@ def route_top_k(
         router_logits.stride(0),
         scale,
         TOP_K=top_k,
+        NUM_SHARED=num_shared,
         SIGMOID=sigmoid,
         RENORMALIZE=renormalize,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        BLOCK_K=next_pow2(top_k),
+        BLOCK_K=next_pow2(width),
         USE_PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,

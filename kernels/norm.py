@@ -75,9 +75,12 @@ def _launch(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., hidden] normalised in fp32 over the last dim, times weight, in x's dtype."""
-    out = torch.empty_like(x)
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., hidden] normalised in fp32 over the last dim, times weight, in x's dtype; into
+    out when given (x itself too: each row is read whole before it is written)."""
+    out = torch.empty_like(x) if out is None else out
     _launch(x, None, weight, out, eps)
     return out
 

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate_half layout), applied in place to q and k."""
+"""Rotary position embedding, applied in place to q and k: pairs (i, i + D/2) (neox /
+rotate_half) or, interleaved (GPT-J, DeepSeek), (2i, 2i + 1)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,29 @@ from kernels._common import next_pow2
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     x_ptr,
     stride_h,
     cos,
     sin,
     NUM_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """Rotate the two halves of every head of one token by the same angles."""
+    """Rotate the pairs of every head of one token by the same angles."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < NUM_HEADS) & (i < HALF)
-    ptrs = x_ptr + heads * stride_h + i
+    if INTERLEAVED:
+        ptrs, partner = x_ptr + heads * stride_h + 2 * i, 1
+    else:
+        ptrs, partner = x_ptr + heads * stride_h + i, HALF
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + partner, mask=mask, other=0.0).to(tl.float32)
     tl.store(ptrs, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + partner, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -45,6 +50,7 @@ def _rotary_kernel(
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_K_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -57,30 +63,36 @@ def _rotary_kernel(
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i, mask=i < HALF, other=0.0).to(
         tl.float32
     )
-    _rotate_heads(
+    rotate_heads(
         q_ptr + token * q_stride_t,
         q_stride_h,
         cos,
         sin,
         NUM_Q_HEADS,
         HALF,
+        INTERLEAVED,
         BLOCK_Q_HEADS,
         BLOCK_HALF,
     )
-    _rotate_heads(
+    rotate_heads(
         k_ptr + token * k_stride_t,
         k_stride_h,
         cos,
         sin,
         NUM_K_HEADS,
         HALF,
+        INTERLEAVED,
         BLOCK_K_HEADS,
         BLOCK_HALF,
     )
 
 
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] (or [T, H * D]) IN PLACE and return them.
 
@@ -108,6 +120,7 @@ def rotary_embedding(
         NUM_Q_HEADS=q3.shape[1],
         NUM_K_HEADS=k3.shape[1],
         HALF=half,
+        INTERLEAVED=interleaved,
         BLOCK_Q_HEADS=next_pow2(q3.shape[1]),
         BLOCK_K_HEADS=next_pow2(k3.shape[1]),
         BLOCK_HALF=next_pow2(half),

@@ -74,6 +74,52 @@ def test_rotary_embedding_matches_torch_on_qkv_slices(dtype: torch.dtype, head_d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_interleaved_rotary_turns_mla_rope_slices_in_place(dtype: torch.dtype) -> None:
+    """DeepSeek's layout: each head's rope part after its nope part, the rope key after the
+    latent; pairs (2i, 2i + 1); everything around the slices left alone."""
+    num_tokens, num_heads, nope, rope, rank = 5, 3, 16, 64, 40
+    cache = rotary.build_cos_sin_cache(rope, 512, 1e4, None).to(DEVICE)
+    positions = torch.tensor([0, 3, 511, 7, 100], device=DEVICE)
+    query = randn(num_tokens, num_heads, nope + rope, dtype=dtype)
+    latent = randn(num_tokens, rank + rope, dtype=dtype)
+    q_pe, k_pe = query[..., nope:], latent[:, None, rank:]
+    ref_q = rotary.apply_rotary(q_pe, positions, cache, interleaved=True)
+    ref_k = rotary.apply_rotary(k_pe, positions, cache, interleaved=True)
+    untouched = query[..., :nope].clone(), latent[:, :rank].clone()
+    rotary_embedding(positions, q_pe, k_pe, cache, interleaved=True)
+    assert relative_error(q_pe, ref_q) < TOLERANCE[dtype]
+    assert relative_error(k_pe, ref_k) < TOLERANCE[dtype]
+    assert torch.equal(query[..., :nope], untouched[0])
+    assert torch.equal(latent[:, :rank], untouched[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_in_place_on_a_slice_of_wider_rows(dtype: torch.dtype) -> None:
+    latent = randn(6, 576, dtype=dtype)
+    c, rope_before = latent[:, :512], latent[:, 512:].clone()
+    weight = randn(512, dtype=dtype)
+    ref = norm.rms_norm(c.clone(), weight, 1e-6)
+    assert rms_norm(c, weight, 1e-6, out=c).data_ptr() == latent.data_ptr()
+    assert relative_error(c, ref) < TOLERANCE[dtype]
+    assert torch.equal(latent[:, 512:], rope_before)
+
+
+def test_in_place_layers_agree_with_their_returning_forms() -> None:
+    """RotaryEmbedding.rotate_ and RMSNorm.normalize_, the way DeepSeek's MLA calls them."""
+    layer = rotary.RotaryEmbedding(8, 64, 1e4, None, interleaved=True).to(DEVICE)
+    positions = torch.tensor([2, 9], device=DEVICE)
+    q, k = randn(2, 4, 8, dtype=torch.float32), randn(2, 1, 8, dtype=torch.float32)
+    ref_q, ref_k = (rotary.apply_rotary(t, positions, layer.cos_sin_cache, True) for t in (q, k))
+    layer.rotate_(positions, q, k)
+    torch.testing.assert_close((q, k), (ref_q, ref_k))
+    rows = randn(3, 20, dtype=torch.float32)
+    layer_norm = norm.RMSNorm(16, 1e-6).to(DEVICE)
+    ref = norm.rms_norm(rows[:, :16].clone(), layer_norm.weight, 1e-6)
+    layer_norm.normalize_(rows[:, :16])
+    torch.testing.assert_close(rows[:, :16], ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     width = 3072 if FULL else 1500  # not a multiple of the kernel's 1024-column block
     x = randn(6, 2 * width, dtype=dtype)

@@ -10,7 +10,17 @@ import torch
 from test_model_vs_hf import metadata
 
 import kernels
-from asyncllm.attention.mla import attend_latent_torch, row_contexts, write_latent_cache
+from asyncllm.attention.mla import (
+    MixedRun,
+    _row_contexts,
+    attend_latent_torch,
+    mixed_runs,
+    norm_rope_and_cache,
+    row_contexts,
+    write_latent_cache,
+)
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 from kernels.mla_decode import (
     CONFIG_TABLE,
     MLADecodeConfig,
@@ -146,11 +156,80 @@ def test_latent_cache_write_skips_padding() -> None:
     assert torch.equal(ref[0].view(-1, width)[[5, 0, 17]], latent.cpu()[[0, 2, 3]])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prep_kernel_matches_rope_norm_and_write_in_torch(dtype: torch.dtype) -> None:
+    """One launch for the query's rope parts (in place), the latent's norm and rope key and the
+    cache write, against the torch path the CPU runs; a padding token still rotates its query."""
+    heads, rank, rope = DIMS
+    nope, num_tokens = 7, 6
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    query = torch.randn(num_tokens, heads, nope + rope, generator=gen, device=DEVICE).to(dtype)
+    latent = torch.randn(num_tokens, rank + rope, generator=gen, device=DEVICE).to(dtype)
+    positions = torch.tensor([0, 5, 63, 1, 17, 40], device=DEVICE)
+    slots = torch.tensor([9, 0, -1, 200, 33, 4], device=DEVICE)
+    rotary = RotaryEmbedding(rope, 64, 1e4, None, interleaved=True).to(DEVICE)
+    norm = RMSNorm(rank, 1e-6).to(DEVICE)
+    torch.nn.init.normal_(norm.weight, generator=gen)
+    norm.to(dtype)
+    ours_query, ref_query = query.clone(), query.clone().cpu()
+    ours_cache, ref_cache = latent_cache(dtype), latent_cache(dtype).cpu()
+    kernels.mla_norm_rope_and_cache(
+        ours_query, latent, positions, rotary.cos_sin_cache, norm.weight, 1e-6, ours_cache, slots
+    )
+    norm_rope_and_cache(  # the torch path
+        ref_query,
+        latent.cpu(),
+        positions.cpu(),
+        rotary.cpu(),
+        norm.cpu(),
+        ref_cache,
+        slots.cpu(),
+    )
+    assert relative_error(ours_query.cpu(), ref_query) < TOLERANCE[dtype]
+    assert torch.equal(ours_query[..., :nope].cpu(), query[..., :nope].cpu())
+    written = slots[slots >= 0].cpu()
+    ours_rows, ref_rows = (
+        ours_cache.cpu()[0].view(-1, rank + rope),
+        ref_cache[0].view(-1, rank + rope),
+    )
+    assert relative_error(ours_rows[written], ref_rows[written]) < TOLERANCE[dtype]
+    assert relative_error(ours_rows[written, rank:], ref_rows[written, rank:]) < TOLERANCE[dtype]
+    ours_rows[written] = ref_rows[written]
+    assert torch.equal(ours_rows, ref_rows)  # no other slot written
+
+
 def test_row_contexts_are_causal_per_request() -> None:
     meta = metadata([(4, 3), (9, 1)], [[0, 1], [2, 3, 4]])
     request, length = row_contexts(meta, 6)  # two padding rows past the 4 real ones
     assert request.tolist()[:4] == [0, 0, 0, 1]
     assert length.tolist() == [5, 6, 7, 10, 0, 0]
+
+
+def test_row_contexts_run_once_a_step() -> None:
+    meta = metadata([(4, 3), (9, 1)], [[0, 1], [2, 3, 4]])
+    first = row_contexts(meta, 4)
+    assert row_contexts(meta, 4) is first  # the next layer's call launches nothing
+    assert row_contexts(meta, 6) is not first
+
+
+def test_pure_decode_rows_are_their_requests_last_positions() -> None:
+    meta = metadata([(4, 1), (0, 1), (9, 1)], [[0, 1], [2], [3, 4, 5]])
+    request, length = _row_contexts(meta, 3)
+    assert request.tolist() == [0, 1, 2] and length.tolist() == [5, 1, 10]
+    meta.max_query_len = 2  # the same rows through the general path
+    general = _row_contexts(meta, 3)
+    assert general[0].tolist() == [0, 1, 2] and general[1].tolist() == [5, 1, 10]
+
+
+def test_mixed_runs_group_neighbouring_decodes_only() -> None:
+    runs = mixed_runs([1, 1, 5, 1, 0, 1, 3, 1])
+    assert runs == [
+        MixedRun(0, 2, True, 0),
+        MixedRun(2, 5, False, 2),
+        MixedRun(7, 2, True, 3),  # the request of no tokens between them joins nothing
+        MixedRun(9, 3, False, 6),
+        MixedRun(12, 1, True, 7),
+    ]
 
 
 def test_splits_fill_the_gpu_without_a_partial_wave() -> None:

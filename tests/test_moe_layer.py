@@ -83,6 +83,52 @@ def test_routing_kernel_matches_torch(name: str, num_tokens: int) -> None:
     torch.testing.assert_close(weights, ref_weights)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_shared_experts_follow_the_routed_choices_at_weight_one(num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(num_tokens, 60, generator=gen).to(DEVICE)
+    config = RoutingConfig(top_k=6, renormalize=False, routed_scaling_factor=2.5)
+    routed_weights, routed_ids = torch_select_experts(logits, config)
+    for route in (select_experts, torch_select_experts):  # the kernel on a GPU, then torch
+        weights, ids = route(logits, config, 2)
+        assert torch.equal(ids[:, :6], routed_ids)
+        assert ids[:, 6:].tolist() == [[60, 61]] * num_tokens
+        torch.testing.assert_close(weights[:, :6], routed_weights)
+        assert torch.equal(weights[:, 6:], torch.ones(num_tokens, 2, device=DEVICE))
+
+
+def test_routing_kernel_appends_shared_experts() -> None:
+    logits = torch.randn(37, 60, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    weights, ids = route_top_k(logits, 6, renormalize=False, scale=2.5, num_shared=2)
+    ref_weights, ref_ids = torch_select_experts(
+        logits, RoutingConfig(top_k=6, renormalize=False, routed_scaling_factor=2.5), 2
+    )
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+def test_shared_experts_are_their_mlp_in_inner_slices() -> None:
+    """A shared MLP of inner size 2 * I loaded as two experts after the routed ones gives the
+    routed experts' output plus the MLP's."""
+    gen = torch.Generator().manual_seed(7)
+    num_experts, hidden, inner = 4, 16, 6
+    x = torch.randn(5, hidden, generator=gen)
+    logits = torch.randn(5, num_experts, generator=gen)
+    gate, up = (torch.randn(2 * inner, hidden, generator=gen) for _ in range(2))
+    down = torch.randn(hidden, 2 * inner, generator=gen)
+    moe = FusedMoE(num_experts, hidden, inner, RoutingConfig(top_k=2), 0, 1, num_shared=2)
+    torch.nn.init.normal_(moe.w13_weight, generator=gen)
+    torch.nn.init.normal_(moe.w2_weight, generator=gen)
+    for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        moe.load_shared(name, weight)
+    routed = FusedMoE(num_experts, hidden, inner, RoutingConfig(top_k=2), 0, 1)
+    routed.w13_weight.data.copy_(moe.w13_weight.data[:num_experts])
+    routed.w2_weight.data.copy_(moe.w2_weight.data[:num_experts])
+    with torch.no_grad():
+        mlp = torch.nn.functional.silu(x @ gate.T) * (x @ up.T) @ down.T
+        torch.testing.assert_close(moe(x, logits), routed(x, logits) + mlp, rtol=1e-5, atol=1e-5)
+
+
 def test_routing_kernel_reads_bfloat16_logits() -> None:
     # bf16 scores tie often: the picked experts' logits must match, not their order among equals
     gen = torch.Generator().manual_seed(3)

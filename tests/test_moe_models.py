@@ -172,6 +172,36 @@ def test_chunks_prefix_hit_and_decode_match_hf(name: str, max_short_step_tokens:
         torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["deepseek_v2_lite_yarn", "deepseek_v2_grouped_topk"])
+@torch.inference_mode()
+def test_mixed_step_of_decodes_around_prompt_chunks_matches_hf(name: str) -> None:
+    """Decode rows before, between and after two prompt chunks in one step: the latent
+    attention's runs of decodes and its expanded chunks."""
+    hf, ours = make_pair(name)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).to(DEVICE) for n in (9, 7, 12, 5, 6)]
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10], [11, 12]]
+    caches = kv_caches(ours)
+    done = [8, 0, 4, 4, 5]  # requests 0, 3, 4 decode their last prompt token; 1 and 2 chunk
+    first = [r for r in range(5) if done[r]]
+    meta = metadata([(0, done[r]) for r in first], [tables[r] for r in first])
+    ours(
+        tokens(*[prompts[r][: done[r]] for r in first]),
+        tokens(*[torch.arange(done[r]) for r in first]),
+        caches,
+        meta,
+    )
+    spans = [(c, len(prompt) - c) for c, prompt in zip(done, prompts)]
+    ids = tokens(*[prompts[r][c : c + n] for r, (c, n) in enumerate(spans)])
+    positions = tokens(*[torch.arange(c, c + n) for c, n in spans])
+    hidden = ours(ids, positions, caches, metadata(spans, tables))
+    ends = torch.tensor([n for _, n in spans]).cumsum(0) - 1
+    logits = ours.compute_logits(hidden)[ends.to(DEVICE)]
+    for r, prompt in enumerate(prompts):
+        expected = hf(prompt[None]).logits[0, -1]
+        torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_dense_layer", "deepseek_v2_lite_yarn"])
 def test_checkpoint_experts_stack_at_load(name: str, tmp_path) -> None:
     """A saved checkpoint's per-expert tensors load into the same stacked weights."""

@@ -14,14 +14,17 @@ An FP8 cache holds each layer's keys and values divided by its KVScales.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 
 from asyncllm.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,6 +38,11 @@ class AttentionMetadata:
     # host copies, so that CPU-side logic never syncs on the device
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # what layers derive from the fields above, computed by the first layer that asks (not an
+    # __init__ field: dataclasses.replace gives a copy a cache of its own)
+    derived: dict[object, object] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def num_reqs(self) -> int:
@@ -43,6 +51,13 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+    def once(self, key: object, compute: Callable[[], T]) -> T:
+        """compute() the first time key is asked of this step, its value again after that: a
+        model's layers share the step's metadata, so their per-step launches run in one."""
+        if key not in self.derived:
+            self.derived[key] = compute()
+        return self.derived[key]  # type: ignore[return-value]
 
 
 class AttentionBackend(Protocol):

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 import kernels
 from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,49 @@ def write_latent_cache(
     kv_cache[0].view(-1, latent.shape[1]).index_copy_(0, slot_mapping[valid], latent[valid])
 
 
+def norm_rope_and_cache(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: RotaryEmbedding,
+    latent_norm: RMSNorm,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """query [T, H, nope + rope]: its rope parts rotated in place. latent [T, rank + rope], the
+    kv_a projection's output: its first rank entries normalised and its rope key rotated, into
+    kv_cache at slot_mapping. On CUDA one launch (kernels.mla_norm_rope_and_cache)."""
+    if latent.is_cuda:
+        kernels.mla_norm_rope_and_cache(
+            query,
+            latent,
+            positions,
+            rotary.cos_sin_cache,
+            latent_norm.weight,
+            latent_norm.eps,
+            kv_cache,
+            slot_mapping,
+        )
+        return
+    rope = rotary.cos_sin_cache.shape[-1]
+    rank = latent.shape[1] - rope
+    rotary.rotate_(positions, query[..., -rope:], latent[:, None, rank:])
+    latent_norm.normalize_(latent[:, :rank])
+    write_latent_cache(latent, kv_cache, slot_mapping)
+
+
 def row_contexts(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row, its request and how many context positions it sees (causally), on the
-    device: (request int32 [num_rows], length int32 [num_rows]). Padding rows get length 0."""
+    device: (request int32 [num_rows], length int32 [num_rows]). Padding rows get length 0.
+    Computed once a step, by the first layer (about 16 small launches; the step's pure decodes:
+    one)."""
+    return meta.once(("mla_row_contexts", num_rows), lambda: _row_contexts(meta, num_rows))
+
+
+def _row_contexts(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(num_rows, device=meta.seq_lens.device, dtype=torch.int32)
+    if meta.is_pure_decode and num_rows == meta.seq_lens.shape[0]:
+        return rows, meta.seq_lens  # a token a request: row r is request r's last position
     ends = meta.query_start_loc[1:]
     request = torch.searchsorted(ends, rows, right=True).clamp_(max=ends.numel() - 1)
     seq_len = meta.seq_lens.long()[request]
@@ -105,7 +146,11 @@ def attend_absorbed(
     out_latent = attend(
         absorbed, kv_cache, block_tables, request, length, dims.scale, dims.kv_lora_rank
     )
-    return torch.einsum("thl,hdl->thd", out_latent, w_uv)
+    # per head into [T, H, v] directly (cuBLAS writes the strided rows): o_proj reads it flat,
+    # where the einsum's [H, T, v] layout cost a copy a layer at every batch above 1
+    out = out_latent.new_empty(*out_latent.shape[:2], dims.v_head_dim)
+    torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def attend_expanded(
@@ -167,34 +212,55 @@ class MLAttention:
         w_uk: torch.Tensor,
         w_uv: torch.Tensor,
     ) -> torch.Tensor:
-        """Prompt chunks expanded one request at a time, decode rows absorbed together."""
+        """Prompt chunks expanded one request at a time, each run of consecutive decode rows
+        absorbed in one call; slices only, so nothing waits on a host-to-device copy."""
         out = query.new_zeros(*query.shape[:2], self.dims.v_head_dim)  # padding rows too
-        decode_rows, decode_requests, decode_lengths = [], [], []
-        block_size, start = kv_cache.shape[2], 0
-        for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if query_len == 1:
-                decode_rows.append(start)
-                decode_requests.append(r)
-                decode_lengths.append(seq_len)
-            else:
-                table = meta.block_tables[r, : -(-seq_len // block_size)].long()
-                latents = kv_cache[0, :, :, 0][table].flatten(0, 1)[:seq_len]
-                rows = query[start : start + query_len]
-                out[start : start + query_len] = attend_expanded(
-                    rows, latents, w_uk, w_uv, self.dims
+        runs = meta.once("mla_mixed_runs", lambda: mixed_runs(meta.query_lens_cpu))
+        block_size = kv_cache.shape[2]
+        for run in runs:
+            rows = slice(run.first_row, run.first_row + run.num_rows)
+            if run.decodes:
+                request, length = row_contexts(meta, query.shape[0])
+                out[rows] = attend_absorbed(
+                    query[rows],
+                    kv_cache,
+                    meta.block_tables,
+                    request[rows],
+                    length[rows],
+                    w_uk,
+                    w_uv,
+                    self.dims,
                 )
-            start += query_len
-        if decode_rows:
-            device = query.device
-            rows = torch.tensor(decode_rows, device=device)
-            out[rows] = attend_absorbed(
-                query[rows],
-                kv_cache,
-                meta.block_tables,
-                torch.tensor(decode_requests, dtype=torch.int32, device=device),
-                torch.tensor(decode_lengths, dtype=torch.int32, device=device),
-                w_uk,
-                w_uv,
-                self.dims,
-            )
+                continue
+            seq_len = meta.seq_lens_cpu[run.request]
+            table = meta.block_tables[run.request, : -(-seq_len // block_size)].long()
+            latents = kv_cache[0, :, :, 0][table].flatten(0, 1)[:seq_len]
+            out[rows] = attend_expanded(query[rows], latents, w_uk, w_uv, self.dims)
         return out
+
+
+@dataclass(frozen=True)
+class MixedRun:
+    """Rows of a mixed step that attend in one call: one request's prompt chunk, or
+    consecutive requests' decode rows."""
+
+    first_row: int
+    num_rows: int
+    decodes: bool
+    request: int  # the prompt chunk's request (for decodes: the first one's)
+
+
+def mixed_runs(query_lens: list[int]) -> list[MixedRun]:
+    """The step's requests as runs: each prompt chunk alone, neighbouring decodes together;
+    requests of no tokens (padding) in none."""
+    runs: list[MixedRun] = []
+    row = 0
+    for request, query_len in enumerate(query_lens):
+        decode = query_len == 1
+        last = runs[-1] if runs else None
+        if decode and last is not None and last.decodes and last.first_row + last.num_rows == row:
+            runs[-1] = MixedRun(last.first_row, last.num_rows + 1, True, last.request)
+        elif query_len:
+            runs.append(MixedRun(row, query_len, decode, request))
+        row += query_len
+    return runs

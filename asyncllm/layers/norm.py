@@ -39,3 +39,10 @@ class RMSNorm(nn.Module):
             return norm(x, self.weight, self.eps)
         fused = kernels.fused_add_rms_norm if x.is_cuda else fused_add_rms_norm
         return fused(x, residual, self.weight, self.eps)
+
+    def normalize_(self, x: torch.Tensor) -> None:
+        """x (rows of unit stride, e.g. a slice of a projection's output) normalised in place."""
+        if x.is_cuda:
+            kernels.rms_norm(x, self.weight, self.eps, out=x)
+        else:
+            x.copy_(rms_norm(x, self.weight, self.eps))

@@ -111,11 +111,17 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """On CUDA the Triton kernel rotates q and k in place (the half-split pairs only)."""
-        if q.is_cuda and not self.interleaved:
-            return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        """On CUDA the Triton kernel rotates q and k in place (one launch for both)."""
+        if q.is_cuda:
+            return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.interleaved)
         cache, interleaved = self.cos_sin_cache, self.interleaved
         return (
             apply_rotary(q, positions, cache, interleaved),
             apply_rotary(k, positions, cache, interleaved),
         )
+
+    def rotate_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """q and k (views of the projections' outputs) rotated in place on every device."""
+        rotated_q, rotated_k = self(positions, q, k)
+        q.copy_(rotated_q)  # on CUDA the same tensors: copy_ returns at once
+        k.copy_(rotated_k)

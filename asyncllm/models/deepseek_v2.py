@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.kv_cache_spec import KVCacheSpec
-from asyncllm.attention.mla import MLADims, MLAttention, write_latent_cache
+from asyncllm.attention.mla import MLADims, MLAttention, norm_rope_and_cache
 from asyncllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from asyncllm.layers.fused_moe import RoutingConfig
 from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear
@@ -87,17 +87,21 @@ class MLAProjections(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """The query [T, H, nope + rope]; each token's latent and rope key go to kv_cache."""
+        """The query [T, H, nope + rope]; each token's latent and rope key go to kv_cache
+        (on CUDA three launches: the two projections, then norm, rope and cache write in one)."""
         dims = self.dims
-        q = self.query(h).view(h.shape[0], dims.num_heads, -1)
-        q_nope, q_pe = q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(h).split(
-            [dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1
+        query = self.query(h).view(h.shape[0], dims.num_heads, -1)
+        latent = self.kv_a_proj_with_mqa(h)
+        norm_rope_and_cache(
+            query,
+            latent,
+            positions,
+            self.rotary,
+            self.kv_a_layernorm,
+            kv_cache,
+            meta.slot_mapping,
         )
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
-        latent = torch.cat([self.kv_a_layernorm(c.contiguous()), k_pe[:, 0]], dim=-1)
-        write_latent_cache(latent, kv_cache, meta.slot_mapping)
-        return torch.cat([q_nope, q_pe], dim=-1)
+        return query
 
 
 def mla_rotary(config: PretrainedConfig) -> RotaryEmbedding:
@@ -183,14 +187,13 @@ def _mlp(config: PretrainedConfig, index: int) -> nn.Module:
         topk_groups=config.topk_group if grouped else 1,
         routed_scaling_factor=config.routed_scaling_factor,
     )
-    shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
     return SparseMoeBlock(
         config.hidden_size,
         config.n_routed_experts,
         config.moe_intermediate_size,
         routing,
         f"model.layers.{index}.mlp",
-        shared,
+        config.n_shared_experts or 0,
     )
 
 

@@ -13,15 +13,18 @@ from transformers import PretrainedConfig
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.layers.fused_moe import EXPERT_SHARDS, FusedMoE, RoutingConfig
 from asyncllm.layers.linear import LoadedWeight, QuantizationConfig, ReplicatedLinear, read_all
-from asyncllm.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from asyncllm.models.llama import DecoderLayer, LlamaForCausalLM
 
-# layers.N.mlp.experts.E.w1.weight (one expert), layers.N.mlp.experts.gate_up_proj (stacked)
+# layers.N.mlp.experts.E.w1.weight (one expert), layers.N.mlp.experts.gate_up_proj (stacked),
+# layers.N.mlp.shared_experts.gate_proj.weight (DeepSeek's shared MLP)
 _ONE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 _STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
+_SHARED_EXPERTS = re.compile(r"(.*)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class SparseMoeBlock(nn.Module):
-    """The router, the routed experts and (DeepSeek) the shared experts every token goes to."""
+    """The router and the experts: the routed ones and (DeepSeek) the shared ones every token
+    goes to, which FusedMoE stacks after them."""
 
     def __init__(
         self,
@@ -30,21 +33,16 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: int,
         routing: RoutingConfig,
         prefix: str,
-        shared_intermediate_size: int = 0,
+        num_shared_experts: int = 0,
     ) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, routing)
-        self.shared_experts = None
-        if shared_intermediate_size:
-            shared_prefix = f"{prefix}.shared_experts"
-            self.shared_experts = MLP(hidden_size, shared_intermediate_size, None, shared_prefix)
+        self.experts = FusedMoE(
+            num_experts, hidden_size, intermediate_size, routing, num_shared=num_shared_experts
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.experts(x, self.gate(x))
 
 
 def mlp_after_attention(
@@ -78,6 +76,11 @@ def load_expert_weights(
             module, projection = match.groups()
             model.get_submodule(module).load_stacked(projection, read_all(weight))
             target = "w2_weight" if projection == "down_proj" else "w13_weight"
+        elif match := _SHARED_EXPERTS.fullmatch(name):
+            block, projection = match.groups()
+            model.get_submodule(f"{block}.experts").load_shared(projection, read_all(weight))
+            loaded.add(f"{block}.experts.{EXPERT_SHARDS[projection][0]}")
+            continue
         else:
             yield name, weight
             continue

@@ -20,18 +20,21 @@ class RoutingConfig:
 
 
 def select_experts(
-    router_logits: torch.Tensor, config: RoutingConfig
+    router_logits: torch.Tensor, config: RoutingConfig, num_shared: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router_logits [T, E]."""
+    """(topk_weights float32 [T, k + s], topk_ids int32 [T, k + s]) from router_logits [T, E]:
+    the routed choices, then the num_shared shared experts (E .. E + s - 1) at weight 1."""
     if router_logits.is_cuda and config.num_groups == 1:
         sigmoid = config.scoring == "sigmoid"
         scale = config.routed_scaling_factor
-        return kernels.route_top_k(router_logits, config.top_k, sigmoid, config.renormalize, scale)
-    return torch_select_experts(router_logits, config)
+        return kernels.route_top_k(
+            router_logits, config.top_k, sigmoid, config.renormalize, scale, num_shared
+        )
+    return torch_select_experts(router_logits, config, num_shared)
 
 
 def torch_select_experts(
-    router_logits: torch.Tensor, config: RoutingConfig
+    router_logits: torch.Tensor, config: RoutingConfig, num_shared: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """select_experts in torch ops: the CPU path, grouped top-k, and the routing kernel's
     reference."""
@@ -44,6 +47,10 @@ def torch_select_experts(
         weights = weights / weights.sum(-1, keepdim=True)
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
+    if num_shared:
+        shared = torch.arange(num_shared, device=ids.device) + router_logits.shape[1]
+        ids = torch.cat([ids, shared.expand(ids.shape[0], -1)], dim=1)
+        weights = torch.cat([weights, weights.new_ones(weights.shape[0], num_shared)], dim=1)
     return weights, ids.to(torch.int32)
 
 
