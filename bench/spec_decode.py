@@ -56,6 +56,10 @@ class ReplayProposer:
         return [GREEDY_TOKEN if u < self.acceptance else GREEDY_TOKEN + 1 for u in draws]
 
 
+def install_replay_proposer(llm: LLM, k: int, acceptance: float, seed: int) -> None:
+    llm.core_client.core.proposer = ReplayProposer(k, acceptance, seed)
+
+
 def count_steps(llm: LLM) -> list[int]:
     """Scheduled tokens of each step the engine launches from now on."""
     executor = llm.core_client.core.executor
@@ -155,7 +159,7 @@ def main() -> None:
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, config.vocab_size, seed=batch)
         base, references = timed_run(plain, prompts, args.max_tokens)
-        spec.core_client.core.proposer = ReplayProposer(k, args.acceptance, seed=batch)
+        install_replay_proposer(spec, k, args.acceptance, seed=batch)
         stats = spec.core_client.core.spec_decoding_stats
         before = stats.snapshot()
         replays = count_graph_replays(spec, StepRunner.VERIFY_GRAPH)
