@@ -161,6 +161,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # draft tokens a request may verify in a step (speculative decoding; 0: off)
     num_lookahead_tokens: int = 0
+    # the proposer drafts on the device, so a speculating request may be scheduled again
+    # while its step runs (async scheduling): its next input and drafts stay there
+    drafts_on_device: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

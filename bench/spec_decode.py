@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import json
 import platform
@@ -44,20 +45,36 @@ GREEDY_TOKEN = 1234  # every request's greedy choice, by its logit bias
 
 class ReplayProposer:
     """Drafts the target's greedy token at every position, each kept with probability
-    `acceptance` (else the next id, which the target does not choose)."""
+    `acceptance` (else the next id, which the target does not choose). It drafts on the
+    device, as a proposer next to the model, so speculating steps run ahead of each other."""
 
-    def __init__(self, k: int, acceptance: float, seed: int) -> None:
+    drafts_on_device = True
+    reads_hidden = False
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, k: int, acceptance: float, seed: int, device: torch.device) -> None:
         self.k = k
         self.acceptance = acceptance
-        self.random = random.Random(seed)
+        self.generator = torch.Generator(device).manual_seed(seed)
 
-    def propose(self, token_ids: list[int]) -> list[int]:
-        draws = [self.random.random() for _ in range(self.k)]
-        return [GREEDY_TOKEN if u < self.acceptance else GREEDY_TOKEN + 1 for u in draws]
+    def propose(self, next_token_ids: torch.Tensor) -> torch.Tensor:
+        shape, device = (len(next_token_ids), self.k), next_token_ids.device
+        draws = torch.rand(shape, generator=self.generator, device=device)
+        return GREEDY_TOKEN + (draws >= self.acceptance).long()
+
+
+def install_device_proposer(llm: LLM, proposer) -> None:
+    """proposer (drafts_on_device, propose(next_token_ids) -> [R, k]) in place of the
+    engine's n-gram proposer, which drafts on the host."""
+    core = llm.core_client.core
+    core.proposer = None
+    core.executor.model_runner.drafter = proposer
+    core.scheduler.config.drafts_on_device = True
 
 
 def install_replay_proposer(llm: LLM, k: int, acceptance: float, seed: int) -> None:
-    llm.core_client.core.proposer = ReplayProposer(k, acceptance, seed)
+    device = llm.core_client.core.executor.model_runner.device
+    install_device_proposer(llm, ReplayProposer(k, acceptance, seed, device))
 
 
 def count_steps(llm: LLM) -> list[int]:
@@ -74,6 +91,21 @@ def count_steps(llm: LLM) -> list[int]:
     return steps
 
 
+def count_rows_ahead(llm: LLM) -> collections.Counter:
+    """Rows the engine launches from now on, and those scheduled ahead of their request's
+    step in flight (speculating: their drafts on the device)."""
+    executor = llm.core_client.core.executor
+    launch, counts = executor.execute_model, collections.Counter()
+
+    def counted(scheduler_output):
+        counts["rows"] += len(scheduler_output.scheduled)
+        counts["ahead"] += sum(s.drafts_on_device for s in scheduler_output.scheduled)
+        return launch(scheduler_output)
+
+    executor.execute_model = counted
+    return counts
+
+
 def count_graph_replays(llm: LLM, runner: StepRunner) -> collections.Counter:
     """Token count -> replays of the runner's graphs from now on (empty where it has none)."""
     replays: collections.Counter = collections.Counter()
@@ -88,9 +120,10 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logit_bias={GREEDY_TOKEN: 100.0}
     )
-    # the prompts go in first, so the timed part is decode only
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1),
-                 use_tqdm=False)  # fmt: skip
+    # the prompts go in first, so the timed part is decode only, and a few steps of the same
+    # kind run before it (the first verify steps compile and load their kernels)
+    warm_up = dataclasses.replace(params, max_tokens=min(max_tokens, 32))
+    llm.generate([{"prompt_token_ids": p} for p in prompts], warm_up, use_tqdm=False)
     steps = count_steps(llm)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -127,7 +160,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--profile", type=Path, default=None,
-        help="write torch.profiler tables of the first batch size's speculating run here",
+        help="write torch.profiler tables of a speculating run at the first batch size here",
     )  # fmt: skip
     args = parser.parse_args()
 
@@ -163,16 +196,17 @@ def main() -> None:
         stats = spec.core_client.core.spec_decoding_stats
         before = stats.snapshot()
         replays = count_graph_replays(spec, StepRunner.VERIFY_GRAPH)
-        if args.profile and batch == args.batch_sizes[0]:
+        ahead = count_rows_ahead(spec)
+        drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
+        drafted["rows_scheduled_ahead"] = ahead["ahead"] / max(ahead["rows"], 1)
+        if args.profile and batch == args.batch_sizes[0]:  # a run of its own, not the timed one
             with torch.profiler.profile() as profiler:
-                drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
+                timed_run(spec, prompts, args.max_tokens)
             averages = profiler.key_averages()
             args.profile.write_text("\n\n".join(
                 averages.table(sort_by=key, row_limit=30)
                 for key in ("self_cuda_time_total", "self_cpu_time_total")
             ))  # fmt: skip
-        else:
-            drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
         # token count -> verify steps that replayed a verify graph of that size
         drafted["verify_graph_replays"] = {str(k): v for k, v in sorted(replays.items())}
         num_drafts = stats.num_drafts - before.num_drafts

@@ -11,6 +11,7 @@ from asyncllm.spec_decode.draft_step import DraftKVCache, TargetStep
 
 class MedusaProposer:
     reads_hidden = True
+    drafts_on_device = False
     aux_layers: tuple[int, ...] = ()
 
     def __init__(self, heads: MedusaHeads, num_tokens: int, config: ModelConfig) -> None:

@@ -1,7 +1,9 @@
 """The proposers that run next to the target in the worker: a draft model, EAGLE / EAGLE-3
 heads, Medusa heads. Each drafts with draft(TargetStep) after every step and keeps its KV
 cache (kv_cache, empty for Medusa) in the target's block pool; reads_hidden and aux_layers say
-which of the target's hidden states it reads."""
+which of the target's hidden states it reads. A proposer with drafts_on_device instead drafts
+with propose(next_token_ids) -> [R, k] device ids (-1: none), which the next step reads where
+they are: a speculating request can then be scheduled again while its step runs."""
 
 from __future__ import annotations
 

@@ -102,6 +102,7 @@ class LaunchedModelStep:
     done: torch.cuda.Event | None  # None on CPU, where the step ran to its end already
     verification: DraftVerification | None = None  # a step that verified drafts, in host memory
     draft_token_ids: list[list[int]] | None = None  # the draft model's, per scheduled request
+    device_drafts: torch.Tensor | None = None  # [R, k] host copy of drafts made on the device
 
     def wait(self) -> ModelRunnerOutput:
         """Blocks this thread (Event.synchronize releases the GIL) until the ids are here."""
@@ -117,6 +118,10 @@ class LaunchedModelStep:
             output.set_sampled(self.sampling_rows, *self.sampled.to_host(self.meta))
         output.prompt_logprobs = self.prompt_logprobs
         output.draft_token_ids = self.draft_token_ids
+        if self.device_drafts is not None:
+            output.draft_token_ids = [[] for _ in range(self.num_scheduled)]
+            for row, drafts in zip(self.sampling_rows, self.device_drafts.tolist()):
+                output.draft_token_ids[row] = drafts[: drafts.index(-1)] if -1 in drafts else drafts
         return output
 
 
@@ -207,7 +212,7 @@ class ModelRunner:
         if constrained:
             self.grammar_matchers.start_fill(constrained)
         hidden, logits, aux_hidden = self._forward(plan, inputs)
-        sampled = meta = verification = draft_token_ids = next_token_ids = None
+        sampled = meta = verification = draft_token_ids = next_token_ids = device_drafts = None
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             # masked before the sampler processes the logits
@@ -215,7 +220,8 @@ class ModelRunner:
                 bitmask = self.grammar_matchers.bitmask(constrained, logits.shape[0])
                 apply_token_bitmask(logits, bitmask)
             if any(drafts):
-                verification = verify_drafts(self.sampler, logits, meta, drafts, layout)
+                scored_ids = inputs.input_ids[inputs.logits_indices]
+                verification = verify_drafts(self.sampler, logits, meta, layout, scored_ids)
                 next_token_ids = verification.next_token_ids
             else:
                 sampled = self.sampler(logits, meta)
@@ -224,8 +230,15 @@ class ModelRunner:
             ids = [
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
-            self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
-        if self.drafter is not None:
+            if self.drafter is not None and self.drafter.drafts_on_device:
+                device_drafts = self.drafter.propose(next_token_ids)
+            self._last_sampled = DeviceTokens(
+                next_token_ids,
+                dict(zip(ids, range(len(ids)))),
+                drafts=device_drafts,
+                num_rejected=None if verification is None else verification.num_rejected,
+            )
+        if self.drafter is not None and not self.drafter.drafts_on_device:
             forward = TargetForward(
                 inputs.input_ids, inputs.positions, inputs.meta, hidden, aux_hidden
             )
@@ -238,6 +251,8 @@ class ModelRunner:
             verification = verification.copy_to_host()
         elif sampled is not None:
             sampled = _copy_to_host(sampled)
+        if device_drafts is not None:
+            device_drafts = device_drafts.to("cpu", non_blocking=True)
         prompt_logprobs = {}
         if prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
@@ -258,6 +273,7 @@ class ModelRunner:
             done,
             verification,
             draft_token_ids,
+            device_drafts,
         )
 
     def _draft(
