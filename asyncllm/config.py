@@ -94,6 +94,10 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             scheduler.num_lookahead_tokens = speculative.num_speculative_tokens
+            # MLA attention reads each request's length on the host, which a step scheduled
+            # ahead knows only on the device
+            mla = getattr(model.hf_config, "kv_lora_rank", None) is not None
+            scheduler.drafts_on_device = speculative.method == "ngram" and not mla
         return EngineConfig(model, cache, scheduler, self, parallel, speculative)
 
     @classmethod

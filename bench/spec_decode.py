@@ -37,6 +37,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 
 from asyncllm import LLM, SamplingParams  # noqa: E402
 from asyncllm.models.shapes import SHAPES, write_shape  # noqa: E402
+from asyncllm.spec_decode.ngram import DraftBatch  # noqa: E402
 from asyncllm.worker.step_plan import StepRunner  # noqa: E402
 from bench.throughput import copy_bandwidth, matmul_rate, weight_count  # noqa: E402
 
@@ -57,19 +58,16 @@ class ReplayProposer:
         self.acceptance = acceptance
         self.generator = torch.Generator(device).manual_seed(seed)
 
-    def propose(self, next_token_ids: torch.Tensor) -> torch.Tensor:
-        shape, device = (len(next_token_ids), self.k), next_token_ids.device
+    def propose(self, batch: DraftBatch) -> torch.Tensor:
+        shape, device = (len(batch.next_token_ids), self.k), batch.next_token_ids.device
         draws = torch.rand(shape, generator=self.generator, device=device)
         return GREEDY_TOKEN + (draws >= self.acceptance).long()
 
 
 def install_device_proposer(llm: LLM, proposer) -> None:
-    """proposer (drafts_on_device, propose(next_token_ids) -> [R, k]) in place of the
-    engine's n-gram proposer, which drafts on the host."""
-    core = llm.core_client.core
-    core.proposer = None
-    core.executor.model_runner.drafter = proposer
-    core.scheduler.config.drafts_on_device = True
+    """proposer (drafts_on_device, propose(DraftBatch) -> [R, k]) in place of the engine's
+    own; a speculating engine of method ngram drafts on the device."""
+    llm.core_client.core.executor.model_runner.drafter = proposer
 
 
 def install_replay_proposer(llm: LLM, k: int, acceptance: float, seed: int) -> None:

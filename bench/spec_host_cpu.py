@@ -51,7 +51,6 @@ PARTS = [
     ("  verification results", "spec_decode/verify.py", "results"),
     ("update (core)", "engine/core.py", "_update"),
     ("  scheduler update_from_output", "core/scheduler.py", "update_from_output"),
-    ("  host proposer", "spec_decode/proposer.py", "propose_drafts"),
 ]
 
 

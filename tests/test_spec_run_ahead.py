@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.spec_decode.ngram import DraftBatch
 from bench.spec_decode import install_device_proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -42,9 +43,9 @@ class BigramProposer:
                 self.table[before] = after
         self.k = k
 
-    def propose(self, next_token_ids: torch.Tensor) -> torch.Tensor:
-        self.table = self.table.to(next_token_ids.device)
-        drafts, token = [], next_token_ids
+    def propose(self, batch: DraftBatch) -> torch.Tensor:
+        self.table = self.table.to(batch.next_token_ids.device)
+        drafts, token = [], batch.next_token_ids
         for _ in range(self.k):
             token = self.table[token]
             drafts.append(token)

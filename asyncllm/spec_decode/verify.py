@@ -187,6 +187,7 @@ class DraftVerification:
     next_token_ids: torch.Tensor  # int64 [R]: each row's last token (the next step's input)
     # int64 [R]: drafts rejected, how far back of its scheduled start a step run ahead begins
     num_rejected: torch.Tensor
+    next_scored: torch.Tensor  # int64 [R]: the scored position each row's last token is from
 
     def copy_to_host(self) -> DraftVerification:
         def copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -253,4 +254,7 @@ def verify_drafts(
     num_accepted = agrees.int().cumprod(dim=1).sum(dim=1)
     next_token_ids = by_row.gather(1, num_accepted[:, None].long()).squeeze(1)
     num_rejected = tensors.counts - 1 - num_accepted
-    return DraftVerification(layout, repeated, sampled, num_accepted, next_token_ids, num_rejected)
+    next_scored = tensors.starts + num_accepted
+    return DraftVerification(
+        layout, repeated, sampled, num_accepted, next_token_ids, num_rejected, next_scored
+    )

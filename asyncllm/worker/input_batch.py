@@ -30,6 +30,9 @@ class StepInputs:
     # every token samples (a decode step), so that picking them copies nothing
     logits_indices: torch.Tensor | slice
     sampling_rows: list[int]  # scheduled index of each logits row
+    batch_rows: np.ndarray  # each scheduled request's row of the batch
+    token_rows: np.ndarray  # each (unpadded) token's row of the batch
+    new_rows: list[int]  # scheduled indices of the requests given a row this step
 
 
 @dataclass
@@ -115,8 +118,7 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
         max_blocks = -(-max_model_len // block_size)
-        # rows outlive a request by one step (finished ids arrive with the next schedule)
-        num_rows = 2 * max_num_reqs
+        num_rows = self.rows_for(max_num_reqs)
         self.block_table = np.zeros((num_rows, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(num_rows, dtype=np.int32)
         self.rows: dict[str, int] = {}
@@ -132,6 +134,11 @@ class InputBatch:
         # the inputs of rows scheduled ahead, sent in one copy (_OnDevice's lists end to end)
         self.on_device = _Buffer((4 * max_num_tokens + 2 * max_num_reqs,), torch.int64, device)
         self._buffers = [v for v in vars(self).values() if isinstance(v, _Buffer)]
+
+    @staticmethod
+    def rows_for(max_num_reqs: int) -> int:
+        # rows outlive a request by one step (finished ids arrive with the next schedule)
+        return 2 * max_num_reqs
 
     def remove_requests(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -153,6 +160,7 @@ class InputBatch:
         for buffer in self._buffers:
             buffer.flip()
         scheduled = scheduler_output.scheduled
+        new_rows = [i for i, s in enumerate(scheduled) if s.request.request_id not in self.rows]
         rows = np.array([self._sync_row(s.request.request_id, s.block_ids) for s in scheduled])
         starts = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
         counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
@@ -201,6 +209,9 @@ class InputBatch:
             meta=meta,
             logits_indices=logits_indices,
             sampling_rows=sampling_rows,
+            batch_rows=rows,
+            token_rows=rows[owner],
+            new_rows=new_rows,
         )
         if on_device.targets:
             self._take_from_device(inputs, on_device, previous)

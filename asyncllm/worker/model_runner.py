@@ -16,6 +16,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
@@ -27,6 +28,7 @@ from asyncllm.models.causal_lm import CausalLM
 from asyncllm.models.loader import load_model
 from asyncllm.outputs import PromptLogprobsChunk
 from asyncllm.sample.grammar_mask import apply_token_bitmask
+from asyncllm.sample.history import to_device
 from asyncllm.sample.logprobs import (
     LogprobsTensors,
     PromptSpan,
@@ -37,6 +39,7 @@ from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
 from asyncllm.spec_decode.draft_step import DraftLimits, TargetForward, target_step
+from asyncllm.spec_decode.ngram import DraftBatch
 from asyncllm.spec_decode.verify import (
     DraftLayout,
     DraftVerification,
@@ -154,7 +157,8 @@ class ModelRunner:
             backend = make_attention_backend(config.model.attention_backend)
             kernel_build = start_kernel_build(backend, self.device)
             self.model: CausalLM = load_model(config.model, backend)
-            self.drafter = load_worker_proposer(config, self.model, backend)
+            num_rows = InputBatch.rows_for(scheduler.max_num_seqs)
+            self.drafter = load_worker_proposer(config, self.model, backend, num_rows)
             warm_up_packed_linears(
                 self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
             )
@@ -231,7 +235,8 @@ class ModelRunner:
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
             if self.drafter is not None and self.drafter.drafts_on_device:
-                device_drafts = self.drafter.propose(next_token_ids)
+                batch = self._draft_batch(scheduler_output, inputs, next_token_ids, verification)
+                device_drafts = self.drafter.propose(batch)
             self._last_sampled = DeviceTokens(
                 next_token_ids,
                 dict(zip(ids, range(len(ids)))),
@@ -305,6 +310,42 @@ class ModelRunner:
         for row, row_drafts in zip(inputs.sampling_rows, self.drafter.draft(step)):
             per_request[row] = row_drafts
         return per_request
+
+    def _draft_batch(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        next_token_ids: torch.Tensor,
+        verification: DraftVerification | None,
+    ) -> DraftBatch:
+        """The step as a proposer on the device reads it: nothing here waits for the device."""
+        scheduled = scheduler_output.scheduled
+        num_tokens = len(inputs.token_rows)
+        scored_positions = inputs.positions[inputs.logits_indices]
+        if verification is not None:
+            scored_positions = scored_positions[verification.next_scored]
+        sampling = [scheduled[r] for r in inputs.sampling_rows]
+        rows = np.concatenate([inputs.token_rows, inputs.batch_rows[inputs.sampling_rows]])
+        flat = to_device(rows.astype(np.int64), self.device)
+        known = [
+            (
+                int(inputs.batch_rows[i]),
+                scheduled[i].request.all_token_ids[: scheduled[i].num_computed_tokens],
+            )
+            for i in inputs.new_rows
+        ]
+        # scheduled ahead, a step's start counts the drafts in flight as accepted: a bound
+        max_len = max(s.num_computed_tokens + s.num_new_tokens + 1 for s in sampling)
+        return DraftBatch(
+            input_ids=inputs.input_ids[:num_tokens],
+            positions=inputs.positions[:num_tokens],
+            token_rows=flat[:num_tokens],
+            known=known,
+            rows=flat[num_tokens:],
+            next_token_ids=next_token_ids,
+            next_positions=scored_positions + 1,
+            max_len=min(max_len, self.config.model.max_model_len),
+        )
 
     def _forward(
         self, plan: StepPlan, inputs: StepInputs
