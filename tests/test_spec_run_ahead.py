@@ -150,7 +150,7 @@ def test_prefix_cache_holds_only_accepted_tokens(plain, small_vocab_dir):
     KV is that of the accepted tokens, so the answer is the one computed from scratch."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = generate(plain, params)
-    spec, _ = run_ahead_engine(small_vocab_dir, want, block_size=4)
+    spec, _ = run_ahead_engine(small_vocab_dir, want)
     first = generate(spec, params, PROMPTS[:1])
     longer = [{"prompt_token_ids": PROMPTS[0]["prompt_token_ids"] + first[0].token_ids[:30]}]
     core = spec.core_client.core
