@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import json
 import platform
@@ -114,14 +113,20 @@ def count_graph_replays(llm: LLM, runner: StepRunner) -> collections.Counter:
     return replays
 
 
-def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list]:
-    params = SamplingParams(
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logit_bias={GREEDY_TOKEN: 100.0}
     )
-    # the prompts go in first, so the timed part is decode only, and a few steps of the same
-    # kind run before it (the first verify steps compile and load their kernels)
-    warm_up = dataclasses.replace(params, max_tokens=min(max_tokens, 32))
-    llm.generate([{"prompt_token_ids": p} for p in prompts], warm_up, use_tqdm=False)
+
+
+def warm_up(llm: LLM, prompts: list[list[int]]) -> None:
+    """The prompts go in first, so the timed part is decode only, and a few steps of the same
+    kind run before it (the first verify steps compile and load their kernels)."""
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(32), use_tqdm=False)
+
+
+def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list]:
+    params = greedy(max_tokens)
     steps = count_steps(llm)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -137,6 +142,14 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict
         "tokens_per_step_per_request": tokens / max(decode_steps, 1) / len(prompts),
     }
     return result, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -187,24 +200,33 @@ def main() -> None:
     weights = weight_count(config)
 
     runs = {}
+    result = {
+        "benchmark": "spec_decode",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "versions": {"torch": torch.__version__, "triton": triton_version(),
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "shape": args.shape,
+        "acceptance": args.acceptance,
+        "num_speculative_tokens": k,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "rates": rates,
+        "runs": runs,
+    }  # fmt: skip
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, config.vocab_size, seed=batch)
+        warm_up(plain, prompts)
         base, references = timed_run(plain, prompts, args.max_tokens)
         install_replay_proposer(spec, k, args.acceptance, seed=batch)
+        warm_up(spec, prompts)
         stats = spec.core_client.core.spec_decoding_stats
         before = stats.snapshot()
         replays = count_graph_replays(spec, StepRunner.VERIFY_GRAPH)
         ahead = count_rows_ahead(spec)
         drafted, spec_outputs = timed_run(spec, prompts, args.max_tokens)
         drafted["rows_scheduled_ahead"] = ahead["ahead"] / max(ahead["rows"], 1)
-        if args.profile and batch == args.batch_sizes[0]:  # a run of its own, not the timed one
-            with torch.profiler.profile() as profiler:
-                timed_run(spec, prompts, args.max_tokens)
-            averages = profiler.key_averages()
-            args.profile.write_text("\n\n".join(
-                averages.table(sort_by=key, row_limit=30)
-                for key in ("self_cuda_time_total", "self_cpu_time_total")
-            ))  # fmt: skip
         # token count -> verify steps that replayed a verify graph of that size
         drafted["verify_graph_replays"] = {str(k): v for k, v in sorted(replays.items())}
         num_drafts = stats.num_drafts - before.num_drafts
@@ -230,24 +252,17 @@ def main() -> None:
             f"{base['ms_per_decode_step']:.2f} -> {drafted['ms_per_decode_step']:.2f} ms, "
             f"same tokens: {drafted['same_tokens_as_without']}"
         )
-    result = {
-        "benchmark": "spec_decode",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.machine()})",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
-        "shape": args.shape,
-        "acceptance": args.acceptance,
-        "num_speculative_tokens": k,
-        "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens,
-        "rates": rates,
-        "runs": runs,
-    }  # fmt: skip
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.out:  # after each batch size: a run cut short keeps the ones done
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.profile and batch == args.batch_sizes[0]:  # a run of its own, not the timed one
+            with torch.profiler.profile() as profiler:
+                timed_run(spec, prompts, args.max_tokens)
+            averages = profiler.key_averages()
+            args.profile.write_text("\n\n".join(
+                averages.table(sort_by=key, row_limit=30)
+                for key in ("self_cuda_time_total", "self_cpu_time_total")
+            ))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ import transformers
 if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from asyncllm import LLM, SamplingParams  # noqa: E402
+from asyncllm import LLM  # noqa: E402
 from bench.soak import machine  # noqa: E402
-from bench.spec_decode import GREEDY_TOKEN, install_replay_proposer, make_prompts  # noqa: E402
+from bench.spec_decode import greedy, install_replay_proposer, make_prompts  # noqa: E402
 
 # (label, file suffix, function name): the parts of an engine step, outermost first
 PARTS = [
@@ -73,9 +73,7 @@ def tiny_model(folder: Path) -> Path:
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list]:
     """(thread CPU seconds, engine steps, outputs) of one generate call."""
-    params = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logit_bias={GREEDY_TOKEN: 100.0}
-    )
+    params = greedy(max_tokens)
     core = llm.core_client.core
     step, steps = core.step, [0]
 

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.core.scheduler_output import DRAFT_ON_DEVICE, ScheduledRequest, SchedulerOutput
+from asyncllm.request import Request
 from asyncllm.spec_decode.ngram import DraftBatch
+from asyncllm.worker.input_batch import DeviceTokens, InputBatch
 from bench.spec_decode import install_device_proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -162,3 +165,27 @@ def test_prefix_cache_holds_only_accepted_tokens(plain, small_vocab_dir):
         fresh, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), longer
     )
     assert got[0].token_ids == expected[0].token_ids
+
+
+def test_a_row_run_ahead_takes_its_token_and_drafts_and_moves_back_by_the_rejected():
+    """Its step before verified 3 drafts from position 4 and rejected 2 of them: it starts at
+    6, not 8, with the token sampled there and the drafts proposed after it."""
+    batch = InputBatch(
+        max_num_reqs=4, max_num_tokens=16, max_model_len=64, block_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    request = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), max_tokens=8)
+    request.num_output_placeholders = 1
+    step = SchedulerOutput([ScheduledRequest(request, 3, 8, [5, 6, 7], [DRAFT_ON_DEVICE] * 2)])
+    previous = DeviceTokens(
+        torch.tensor([40, 41]),
+        {"other": 0, "r": 1},
+        drafts=torch.tensor([[0, 0, 0], [17, 18, 19]]),
+        num_rejected=torch.tensor([0, 2]),
+    )
+    inputs = batch.prepare(step, previous=previous)
+    assert inputs.input_ids.tolist() == [41, 17, 18]
+    assert inputs.positions.tolist() == [6, 7, 8]
+    # positions 6, 7 in block 6 (slots 26, 27), 8 in block 7 (slot 28)
+    assert inputs.meta.slot_mapping.tolist() == [26, 27, 28]
+    assert inputs.meta.seq_lens.tolist() == inputs.meta.seq_lens_cpu == [9]
