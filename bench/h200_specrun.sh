@@ -2,8 +2,9 @@
 # Speculation that runs ahead (issue 24, branch specrun), on one H200 in under 200 s:
 #   bench/h200_specrun.sh OUT
 # 1. bench/spec_decode.py, Llama-3.1-8B shape with dummy weights, replayed greedy drafts at
-#    70% acceptance, 4 tokens, batch 1 and 32, against no speculation in the same process,
-#    with a torch.profiler table of an extra (untimed) batch-1 speculating run  ~100 s (115 at most)
+#    70% acceptance, 4 tokens, batch 1 and 32, against no speculation in the same process, and
+#    the same speculating runs with nothing scheduled ahead (what run-ahead changes); then a
+#    torch.profiler table of an extra (untimed) batch-1 speculating run   ~100 s (115 at most)
 # 2. the GPU tests of speculation: the verify graphs (tests/test_spec_gpu.py) and steps run
 #    ahead with drafts made on the device (tests/test_spec_run_ahead.py), float32, in the
 #    time left of 190 s                                                                ~70 s

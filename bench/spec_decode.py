@@ -6,7 +6,8 @@ the target's greedy tokens are known whatever the dummy weights and the bf16 rou
 step's shape (random weights leave top logits so close that a verify step's rounding would
 flip some), every request carries a logit bias that makes one token its greedy choice; the
 engine without speculation runs the same requests. Against that engine in the same run: output
-tokens/s at batch 1 and batch 32, the mean tokens a verify step gives each request, the verify
+tokens/s at batch 1 and batch 32 (and with speculation not run ahead: each verify step waits for
+the one before on the host), the mean tokens a verify step gives each request, the verify
 step's time over a plain decode step's (engine steps counted at the executor) beside their
 floors (a decode step reads the weights once; a verify step too, and computes
 1 + num_speculative_tokens tokens a request), and the verify graphs replayed, by size.
@@ -144,6 +145,19 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict
     return result, [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def serial_run(spec: LLM, prompts: list[list[int]], args, seed: int) -> dict:
+    """The same speculating run with no step scheduled ahead of its request's step in flight
+    (each verify step's host work exposed), for the difference run-ahead makes."""
+    config = spec.core_client.core.scheduler.config
+    install_replay_proposer(spec, args.num_speculative_tokens, args.acceptance, seed)
+    config.drafts_on_device = False
+    try:
+        result, _ = timed_run(spec, prompts, args.max_tokens)
+    finally:
+        config.drafts_on_device = True
+    return result
+
+
 def triton_version() -> str | None:
     try:
         import triton
@@ -238,11 +252,14 @@ def main() -> None:
             1e3 * 2 * weights * batch * (k + 1) / rates["matmul_flops_per_s"]
         )
         floors["decode_step_ms_flops"] = 1e3 * 2 * weights * batch / rates["matmul_flops_per_s"]
+        serial = serial_run(spec, prompts, args, seed=batch)
         runs[str(batch)] = {
             "no_speculation": base,
             "speculation": drafted,
             "speedup": drafted["output_tokens_per_s"] / base["output_tokens_per_s"],
             "verify_step_over_decode_step": drafted["ms_per_decode_step"] / base["ms_per_decode_step"],
+            "speculation_not_run_ahead": serial,
+            "speedup_not_run_ahead": serial["output_tokens_per_s"] / base["output_tokens_per_s"],
             "floors": floors,
         }  # fmt: skip
         print(
@@ -250,7 +267,8 @@ def main() -> None:
             f"{drafted['output_tokens_per_s']:.1f} tok/s ({runs[str(batch)]['speedup']:.2f}x), "
             f"acceptance length {drafted['mean_acceptance_length']:.2f}, step "
             f"{base['ms_per_decode_step']:.2f} -> {drafted['ms_per_decode_step']:.2f} ms, "
-            f"same tokens: {drafted['same_tokens_as_without']}"
+            f"same tokens: {drafted['same_tokens_as_without']}; not run ahead "
+            f"{serial['output_tokens_per_s']:.1f} tok/s, step {serial['ms_per_decode_step']:.2f} ms"
         )
         if args.out:  # after each batch size: a run cut short keeps the ones done
             args.out.parent.mkdir(parents=True, exist_ok=True)
