@@ -97,7 +97,8 @@ class EngineArgs:
             # MLA attention reads each request's length on the host, which a step scheduled
             # ahead knows only on the device
             mla = getattr(model.hf_config, "kv_lora_rank", None) is not None
-            scheduler.drafts_on_device = speculative.method == "ngram" and not mla
+            on_device = speculative.method in ("ngram", "medusa")
+            scheduler.drafts_on_device = on_device and not mla
         return EngineConfig(model, cache, scheduler, self, parallel, speculative)
 
     @classmethod

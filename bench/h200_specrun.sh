@@ -5,9 +5,9 @@
 #    70% acceptance, 4 tokens, batch 1 and 32, against no speculation in the same process, and
 #    the same speculating runs with nothing scheduled ahead (what run-ahead changes); then a
 #    torch.profiler table of an extra (untimed) batch-1 speculating run   ~100 s (115 at most)
-# 2. the GPU tests of speculation: the verify graphs (tests/test_spec_gpu.py) and steps run
-#    ahead with drafts made on the device (tests/test_spec_run_ahead.py), float32, in the
-#    time left of 190 s                                                                ~70 s
+# 2. the GPU tests of speculation, in the time left of 190 s: steps run ahead with drafts made
+#    on the device (tests/test_spec_run_ahead.py, float32), the verify graphs
+#    (tests/test_spec_gpu.py), drafts under grammars (tests/test_structured_spec_gpu.py) ~80 s
 # Each part runs under its own timeout; one failing does not stop the other.
 set -uo pipefail
 out=$(realpath -m "$1")
@@ -24,8 +24,8 @@ echo "spec_decode: exit $? after $SECONDS s"
 tail -3 "$out/spec_decode_h200.txt"
 
 left=$((190 - SECONDS)); ((left < 20)) && left=20
-timeout $left python3 -m pytest -rf -q -p no:cacheprovider tests/test_spec_gpu.py \
-  tests/test_spec_run_ahead.py > "$out/gpu_tests_specrun_h200.txt" 2>&1
+timeout $left python3 -m pytest -rf -q -p no:cacheprovider tests/test_spec_run_ahead.py \
+  tests/test_spec_gpu.py tests/test_structured_spec_gpu.py > "$out/gpu_tests_specrun_h200.txt" 2>&1
 echo "tests: exit $? after $SECONDS s"
 tail -3 "$out/gpu_tests_specrun_h200.txt"
 grep -h "engine step failed" "$out"/*.txt 2>/dev/null | head -3

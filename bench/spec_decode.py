@@ -37,7 +37,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 
 from asyncllm import LLM, SamplingParams  # noqa: E402
 from asyncllm.models.shapes import SHAPES, write_shape  # noqa: E402
-from asyncllm.spec_decode.ngram import DraftBatch  # noqa: E402
+from asyncllm.spec_decode.draft_step import DraftBatch  # noqa: E402
 from asyncllm.worker.step_plan import StepRunner  # noqa: E402
 from bench.throughput import copy_bandwidth, matmul_rate, weight_count  # noqa: E402
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from asyncllm.config import SpeculativeConfig
-from asyncllm.spec_decode.ngram import DraftBatch, NgramProposer
+from asyncllm.spec_decode.draft_step import DraftBatch
+from asyncllm.spec_decode.ngram import NgramProposer
 
 NONE = torch.zeros(0, dtype=torch.int64)
 
@@ -26,6 +27,8 @@ class Proposer:
             next_token_ids=torch.tensor([tokens[-1] for tokens in requests]),
             next_positions=torch.tensor([len(tokens) - 1 for tokens in requests]),
             max_len=max(len(tokens) for tokens in requests),
+            hidden=None,
+            sampled_rows=NONE,
         )
         drafts = self.ngram.propose(batch).tolist()
         return [row[: row.index(-1)] if -1 in row else row for row in drafts]
@@ -81,6 +84,8 @@ def test_the_tokens_come_from_the_steps_inputs_and_samples():
         next_token_ids=torch.tensor([9]),
         next_positions=torch.tensor([6]),
         max_len=7,
+        hidden=None,
+        sampled_rows=NONE,
     )
     assert ngram.propose(step).tolist() == [[-1, -1, -1]]  # 5 6 7 1 5 6 9: 9 is new
     # the verify step's inputs: 9 and its drafts 5 and 4 (5 accepted), then 6 sampled
@@ -93,9 +98,30 @@ def test_the_tokens_come_from_the_steps_inputs_and_samples():
         next_token_ids=torch.tensor([6]),
         next_positions=torch.tensor([8]),
         max_len=9,
+        hidden=None,
+        sampled_rows=NONE,
     )
     # 5 6 7 1 5 6 9 5 6: the trigram 9 5 6 has no match, the bigram 5 6 last at 4
     assert ngram.propose(verify).tolist() == [[9, 5, 6]]
+
+
+def reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The rule, one window at a time."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_random_requests_get_the_rules_drafts():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        lengths = torch.randint(1, 30, (4,), generator=generator).tolist()
+        requests = [torch.randint(0, 4, (n,), generator=generator).tolist() for n in lengths]
+        k, lo, hi = 1 + trial % 4, 1 + trial % 2, 2 + trial % 3
+        want = [reference(tokens, k, lo, hi) for tokens in requests]
+        assert proposer(k, lo, hi).propose_all(*requests) == want
 
 
 @pytest.mark.parametrize("bad", [{"prompt_lookup_min": 0}, {"prompt_lookup_min": 4}])

@@ -10,7 +10,7 @@ import torch
 from asyncllm import LLM, SamplingParams
 from asyncllm.core.scheduler_output import DRAFT_ON_DEVICE, ScheduledRequest, SchedulerOutput
 from asyncllm.request import Request
-from asyncllm.spec_decode.ngram import DraftBatch
+from asyncllm.spec_decode.draft_step import DraftBatch
 from asyncllm.worker.input_batch import DeviceTokens, InputBatch
 from bench.spec_decode import install_device_proposer
 

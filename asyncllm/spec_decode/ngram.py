@@ -10,29 +10,12 @@ scheduled, with its drafts still on the device, before this one has returned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from asyncllm.config import SpeculativeConfig
 from asyncllm.sample.history import to_device
-from asyncllm.spec_decode.draft_step import DraftKVCache
-
-
-@dataclass
-class DraftBatch:
-    """What a proposer on the device sees of a step: where its input tokens went, the tokens
-    of requests new to their rows, and each sampling row's next token."""
-
-    input_ids: torch.Tensor  # [T] the step's input tokens (no padding)
-    positions: torch.Tensor  # [T]
-    token_rows: torch.Tensor  # [T] each token's input-batch row
-    known: list[tuple[int, list[int]]]  # (row, the tokens before the step) of rows new to it
-    rows: torch.Tensor  # [R] each sampling row's input-batch row
-    next_token_ids: torch.Tensor  # [R]
-    next_positions: torch.Tensor  # [R]
-    max_len: int  # at least every sampling row's token count after the step
+from asyncllm.spec_decode.draft_step import DraftBatch, DraftKVCache
 
 
 class NgramProposer:
@@ -55,10 +38,7 @@ class NgramProposer:
         self._record(batch)
         history = self.tokens[batch.rows, : batch.max_len].long()
         lengths = self.lengths.index_select(0, batch.rows)
-        follows = torch.full_like(lengths, -1)  # where each row's drafts start
-        for n in range(self.max_n, self.min_n - 1, -1):
-            latest = _latest_match(history, lengths, n)
-            follows = torch.where((follows < 0) & (latest >= 0), latest + n, follows)
+        follows = _latest_longest_match(history, lengths, self.min_n, self.max_n)
         at = follows[:, None] + torch.arange(self.num_tokens, device=history.device)
         found = (follows[:, None] >= 0) & (at < lengths[:, None])
         drafts = history.gather(1, at.clamp(0, history.shape[1] - 1))
@@ -76,18 +56,26 @@ class NgramProposer:
         self.lengths[batch.rows] = batch.next_positions + 1
 
 
-def _latest_match(history: torch.Tensor, lengths: torch.Tensor, n: int) -> torch.Tensor:
-    """[R]: the start of the latest window of n tokens before each row's last n that equals
-    them (-1: none), over a row's first lengths[r] tokens."""
-    width = history.shape[1]
-    if n >= width:
-        return torch.full_like(lengths, -1)
-    device = history.device
-    last = (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0)
-    suffix = history.gather(1, last)
-    # windows of every token but the last, as the starts of those that may match
-    windows = history[:, :-1].unfold(1, n, 1)
-    matches = (windows == suffix[:, None, :]).all(dim=-1)
-    starts = torch.arange(matches.shape[1], device=device)
-    matches &= starts <= (lengths - 1 - n)[:, None]
-    return torch.where(matches, starts, -1).amax(dim=1)
+def _latest_longest_match(
+    history: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int
+) -> torch.Tensor:
+    """[R]: where the drafts of each row start (-1: none), after the latest earlier window of
+    its last n tokens, n the largest from max_n down to min_n that has one. A window is taken
+    by its last token e (before the row's last): it matches for every n up to the run of
+    tokens equal to the row's last ones going back from e, so one pass finds them all."""
+    width, device = history.shape[1], history.device
+    run = torch.zeros_like(history)
+    alive = torch.ones_like(history, dtype=torch.bool)
+    for back in range(max_n):
+        # shifted[e] = history[e - back]; -1 before the row's first token matches nothing
+        shifted = torch.nn.functional.pad(history, (back, 0), value=-1)[:, :width]
+        last = history.gather(1, (lengths - 1 - back).clamp(min=0)[:, None])
+        last = torch.where((lengths - 1 - back >= 0)[:, None], last, -2)
+        alive &= shifted == last
+        run += alive
+    ends = torch.arange(width, device=device)
+    run = torch.where(ends < (lengths - 1)[:, None], run, 0)
+    # the longest run first (capped at max_n), then the latest end
+    best = (run * width + ends).amax(dim=1)
+    longest, end = best // width, best % width
+    return torch.where(longest >= min_n, end + 1, -1)

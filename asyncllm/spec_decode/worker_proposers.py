@@ -1,8 +1,9 @@
 """The proposers that run next to the target in the worker: n-gram lookup, a draft model,
-EAGLE / EAGLE-3 heads, Medusa heads. Each drafts with draft(TargetStep) after every step and
-keeps its KV cache (kv_cache, empty for Medusa and n-gram) in the target's block pool;
-reads_hidden and aux_layers say which of the target's hidden states it reads. A proposer with
-drafts_on_device (n-gram) instead drafts with propose(DraftBatch) -> [R, k] device ids (-1:
+EAGLE / EAGLE-3 heads, Medusa heads. Each drafts after every step and keeps its KV cache
+(kv_cache, empty for Medusa and n-gram) in the target's block pool; reads_hidden and
+aux_layers say which of the target's hidden states it reads. A draft model and EAGLE heads
+draft with draft(TargetStep) -> per-row lists, read on the host; a proposer with
+drafts_on_device (n-gram, Medusa) drafts with propose(DraftBatch) -> [R, k] device ids (-1:
 none), which the next step reads where they are: a speculating request can then be scheduled
 again while its step runs."""
 

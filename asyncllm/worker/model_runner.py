@@ -38,8 +38,7 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
-from asyncllm.spec_decode.draft_step import DraftLimits, TargetForward, target_step
-from asyncllm.spec_decode.ngram import DraftBatch
+from asyncllm.spec_decode.draft_step import DraftBatch, DraftLimits, TargetForward, target_step
 from asyncllm.spec_decode.verify import (
     DraftLayout,
     DraftVerification,
@@ -235,7 +234,9 @@ class ModelRunner:
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
             if self.drafter is not None and self.drafter.drafts_on_device:
-                batch = self._draft_batch(scheduler_output, inputs, next_token_ids, verification)
+                batch = self._draft_batch(
+                    scheduler_output, inputs, hidden, next_token_ids, verification
+                )
                 device_drafts = self.drafter.propose(batch)
             self._last_sampled = DeviceTokens(
                 next_token_ids,
@@ -315,15 +316,17 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         inputs: StepInputs,
+        hidden: torch.Tensor | None,
         next_token_ids: torch.Tensor,
         verification: DraftVerification | None,
     ) -> DraftBatch:
         """The step as a proposer on the device reads it: nothing here waits for the device."""
         scheduled = scheduler_output.scheduled
         num_tokens = len(inputs.token_rows)
-        scored_positions = inputs.positions[inputs.logits_indices]
+        sampled_rows = torch.arange(inputs.padded_tokens, device=self.device)
+        sampled_rows = sampled_rows[inputs.logits_indices]
         if verification is not None:
-            scored_positions = scored_positions[verification.next_scored]
+            sampled_rows = sampled_rows[verification.next_scored]
         sampling = [scheduled[r] for r in inputs.sampling_rows]
         rows = np.concatenate([inputs.token_rows, inputs.batch_rows[inputs.sampling_rows]])
         flat = to_device(rows.astype(np.int64), self.device)
@@ -343,8 +346,10 @@ class ModelRunner:
             known=known,
             rows=flat[num_tokens:],
             next_token_ids=next_token_ids,
-            next_positions=scored_positions + 1,
+            next_positions=inputs.positions[sampled_rows] + 1,
             max_len=min(max_len, self.config.model.max_model_len),
+            hidden=hidden,
+            sampled_rows=sampled_rows,
         )
 
     def _forward(
