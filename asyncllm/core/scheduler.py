@@ -4,7 +4,10 @@ There are no prefill and decode phases: every scheduled request catches its num_
 up to its num_tokens, running requests first (in order), then waiting ones (in queue order).
 A step that samples leaves a placeholder for the token until it comes back, so the next step can
 be scheduled while this one runs (async scheduling): that step's input token is the placeholder,
-which the model runner takes from the device.
+which the model runner takes from the device. Speculating with drafts made on the device, the
+next step's drafts are placeholders too, and it starts as if every draft in flight were
+accepted; the runner moves it back by those rejected, and _roll_back does the same here once
+the step in flight has come back.
 """
 
 from __future__ import annotations
