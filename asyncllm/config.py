@@ -94,6 +94,11 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             scheduler.num_lookahead_tokens = speculative.num_speculative_tokens
+            # MLA attention reads each request's length on the host, which a step scheduled
+            # ahead knows only on the device
+            mla = getattr(model.hf_config, "kv_lora_rank", None) is not None
+            on_device = speculative.method in ("ngram", "medusa")
+            scheduler.drafts_on_device = on_device and not mla
         return EngineConfig(model, cache, scheduler, self, parallel, speculative)
 
     @classmethod
@@ -161,6 +166,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # draft tokens a request may verify in a step (speculative decoding; 0: off)
     num_lookahead_tokens: int = 0
+    # the proposer drafts on the device, so a speculating request may be scheduled again
+    # while its step runs (async scheduling): its next input and drafts stay there
+    drafts_on_device: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -142,7 +142,8 @@ def test_verify_samples_every_draft_position_with_the_requests_settings(temperat
     draft = int(logits.argmax())
     drafts = [[draft] for _ in requests]
     rows = logits.expand(2 * SAMPLES, VOCAB)
-    verification = verify_drafts(Sampler(), rows, meta, drafts, DraftLayout.of(drafts))
+    scored_ids = torch.tensor([0, draft] * SAMPLES)  # each row: its last token (0), its draft
+    verification = verify_drafts(Sampler(), rows, meta, DraftLayout.of(drafts), scored_ids)
     tokens, _, verified = verification.results(list(range(SAMPLES)), SAMPLES)
     want = processed(logits, temperature, top_k, top_p)
     assert chi_square(torch.tensor(tokens), want) < CHI2_CRITICAL_7_DF

@@ -17,30 +17,6 @@ def generate(llm: LLM, prompts: list[str], params: SamplingParams) -> list:
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def small_vocab_dir(default_model_dir, tmp_path_factory):
-    """A random Llama over 32 tokens with peaked distributions: its samples repeat, so n-gram
-    drafts come often and are accepted now and then."""
-    path = tmp_path_factory.mktemp("small-vocab")
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
-    return path
-
-
 SMALL_PROMPTS = [{"prompt_token_ids": [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]}, {"prompt_token_ids": [7]}]
 
 

@@ -207,3 +207,17 @@ def record_drafts(monkeypatch, proposer_class) -> list[tuple[int, list[int]]]:
 
     monkeypatch.setattr(proposer_class, "draft", recording)
     return drafted
+
+
+def record_device_drafts(monkeypatch, proposer_class) -> list[tuple[int, list[int]]]:
+    """The same for a proposer that drafts on the device (propose(DraftBatch))."""
+    drafted = []
+    original = proposer_class.propose
+
+    def recording(self, batch):
+        drafts = original(self, batch)
+        drafted.extend(zip(batch.next_positions.tolist(), drafts.tolist()))
+        return drafts
+
+    monkeypatch.setattr(proposer_class, "propose", recording)
+    return drafted

@@ -16,7 +16,7 @@ from test_spec_eagle_support import (
     medusa_config,
     medusa_tensors,
     random,
-    record_drafts,
+    record_device_drafts,
     spec_stats,
     speculate,
     write_head,
@@ -36,8 +36,11 @@ def medusa_dir(tmp_path_factory):
     return write_heads("medusa", tmp_path_factory.mktemp("medusa"))
 
 
-def test_greedy_and_seeded_give_the_targets_own_tokens(target, medusa_dir):
-    spec = speculate(target, "medusa", medusa_dir, NUM_HEADS)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_and_seeded_give_the_targets_own_tokens(target, medusa_dir, async_scheduling):
+    """With async scheduling the heads draft on the device and the greedy request's verify
+    steps run ahead of each other."""
+    spec = speculate(target, "medusa", medusa_dir, NUM_HEADS, async_scheduling=async_scheduling)
     assert generate(spec, GREEDY) == target.greedy
     assert generate(spec, SEEDED) == target.seeded
     assert spec_stats(spec).num_draft_tokens > 0
@@ -69,7 +72,7 @@ def test_drafts_are_the_heads_guesses(target, tmp_path, monkeypatch, authors_lay
     else:
         config = medusa_config(architectures=["MedusaModel"], num_heads=NUM_HEADS)
     head_dir = write_head(tmp_path / "heads", config, saved)
-    drafted = record_drafts(monkeypatch, MedusaProposer)
+    drafted = record_device_drafts(monkeypatch, MedusaProposer)
     prompt = list(range(3, 14))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     output = speculate(target, "medusa", head_dir, NUM_HEADS).generate(

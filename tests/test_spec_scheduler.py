@@ -151,3 +151,51 @@ def test_drafts_without_room_are_dropped_instead_of_preempting():
     output = scheduler.schedule()
     assert [s.spec_token_ids for s in output.scheduled] == [[], []]
     assert not output.preempted_req_ids
+
+
+def test_with_drafts_on_the_device_a_request_runs_ahead_counting_its_drafts_accepted():
+    scheduler, _ = make_scheduler(drafts_on_device=True)
+    request = make_request([1, 2, 3])
+    prefill(scheduler, request, 4)
+    request.spec_token_ids = [5, 6, 7, 8]
+    first = scheduler.schedule()  # computes positions 3..7: the last token and four drafts
+    (ahead,) = scheduler.schedule().scheduled
+    # its input token and drafts come from the device; it starts as if all four were accepted
+    assert ahead.drafts_on_device and ahead.token_ids == []
+    assert (ahead.num_computed_tokens, ahead.num_new_tokens) == (8, 5)
+    assert len(ahead.block_ids) == 4  # up to position 12: room however many are accepted
+    scheduler.update_from_output(first, verified(first, [5, 9]))  # three drafts rejected
+    assert request.all_token_ids == [1, 2, 3, 4, 5, 9]
+    # the step in flight really starts at position 5 (the runner moves it back on the device)
+    assert request.num_computed_tokens == 5 + 5
+    scheduler.update_from_output(
+        SchedulerOutput([ahead]), verified(SchedulerOutput([ahead]), [10, 11, 12])
+    )
+    assert request.all_token_ids == [1, 2, 3, 4, 5, 9, 10, 11, 12]
+    assert request.num_computed_tokens == request.num_tokens - 1
+
+
+def test_a_step_run_ahead_hashes_no_block_past_its_computed_tokens():
+    scheduler, kv = make_scheduler(drafts_on_device=True)
+    request = make_request([1, 2, 3])
+    prefill(scheduler, request, 4)
+    request.spec_token_ids = [5, 6, 7, 8]
+    first = scheduler.schedule()
+    ahead = SchedulerOutput(scheduler.schedule().scheduled)
+    scheduler.update_from_output(first, verified(first, [5, 6, 9]))
+    scheduler.update_from_output(ahead, verified(ahead, [10]))  # its four drafts rejected
+    # 1 2 3 4 | 5 6 9 10: the KV of 10 is not computed, so the second block is not cached
+    # (the step's scheduled start, 8, would say nine tokens computed)
+    assert request.all_token_ids == [1, 2, 3, 4, 5, 6, 9, 10]
+    assert (
+        kv.get_computed_blocks(make_request([1, 2, 3, 4, 5, 6, 9, 10, 11], request_id="x"))[1] == 4
+    )
+
+
+def test_requests_that_count_their_tokens_do_not_run_ahead():
+    scheduler, _ = make_scheduler(drafts_on_device=True)
+    seeded = Request("s", [1, 2, 3], SamplingParams(max_tokens=32, seed=1), max_tokens=32)
+    prefill(scheduler, seeded, 4)
+    seeded.spec_token_ids = [5, 6]
+    scheduler.schedule()
+    assert scheduler.schedule().is_empty

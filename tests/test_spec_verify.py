@@ -31,7 +31,7 @@ def test_every_position_gets_its_rows_logit_bias_and_allowed_tokens():
     ]
     drafts = [[1, 2], [], [6, 7, 8], [11]]
     layout = DraftLayout.of(drafts)
-    repeated = repeat_metadata(metadata(params), layout, LayoutTensors.of(layout, drafts, CPU))
+    repeated = repeat_metadata(metadata(params), layout, LayoutTensors.of(layout, CPU))
     logits = torch.randn(sum(layout.counts), VOCAB)
     got = logits.clone()
     apply_token_edits(got, repeated)
@@ -43,13 +43,15 @@ def test_every_position_gets_its_rows_logit_bias_and_allowed_tokens():
         assert torch.equal(got[start : start + n], logits[start : start + n] + alone)
 
 
-def test_the_drafts_travel_padded_and_each_position_knows_its_row():
+def test_the_drafts_are_read_from_the_scored_inputs_and_each_position_knows_its_row():
     drafts = [[5, 6], [], [7, 8, 9]]
     layout = DraftLayout.of(drafts)
-    tensors = LayoutTensors.of(layout, drafts, CPU)
+    tensors = LayoutTensors.of(layout, CPU)
     assert tensors.owner.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
     assert tensors.offset.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
-    assert tensors.proposed.tolist() == [[5, 6, -2], [-2, -2, -2], [7, 8, 9]]
+    # each row's last token (40, 41, 42), then its drafts: the inputs of its scored positions
+    scored_ids = torch.tensor([40, 5, 6, 41, 42, 7, 8, 9])
+    assert tensors.proposed(scored_ids).tolist() == [[5, 6, -2], [-2, -2, -2], [7, 8, 9]]
 
 
 def test_only_requests_whose_sampling_reads_their_count_restart_after_drafts():

@@ -4,7 +4,10 @@ There are no prefill and decode phases: every scheduled request catches its num_
 up to its num_tokens, running requests first (in order), then waiting ones (in queue order).
 A step that samples leaves a placeholder for the token until it comes back, so the next step can
 be scheduled while this one runs (async scheduling): that step's input token is the placeholder,
-which the model runner takes from the device.
+which the model runner takes from the device. Speculating with drafts made on the device, the
+next step's drafts are placeholders too, and it starts as if every draft in flight were
+accepted; the runner moves it back by those rejected, and _roll_back does the same here once
+the step in flight has come back.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from dataclasses import dataclass, field
 from asyncllm.config import SchedulerConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager, cdiv
 from asyncllm.core.request_queue import create_request_queue
-from asyncllm.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from asyncllm.core.scheduler_output import (
+    DRAFT_ON_DEVICE,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from asyncllm.request import Request, RequestStatus
 
 
@@ -102,15 +110,17 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
             tokens = model_runner_output.tokens_of(row)
-            num_rejected = self._roll_back(scheduled, tokens)
-            num_computed = scheduled.num_computed_tokens + scheduled.num_new_tokens - num_rejected
-            if not tokens:
+            self._roll_back(scheduled, tokens)
+            if not tokens:  # a prompt chunk: never scheduled ahead, so it starts where it says
+                num_computed = scheduled.num_computed_tokens + scheduled.num_new_tokens
                 self.kv_cache_manager.cache_blocks(request, num_computed)
                 continue
             request.num_output_placeholders -= 1
             status = self._append_tokens(request, tokens)
-            # rejected drafts never reach all_token_ids, so no block of them is ever hashed
-            self.kv_cache_manager.cache_blocks(request, min(num_computed, request.num_tokens))
+            # every token but the one just sampled has its KV computed (a step run ahead may
+            # compute more, from the device); rejected drafts never reach all_token_ids, so no
+            # block of them is ever hashed
+            self.kv_cache_manager.cache_blocks(request, request.num_tokens - 1)
             if status is not None:
                 request.status = status
                 self._free(request)
@@ -119,15 +129,15 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
 
-    def _roll_back(self, scheduled: ScheduledRequest, tokens: list[int]) -> int:
+    def _roll_back(self, scheduled: ScheduledRequest, tokens: list[int]) -> None:
         """Takes the rejected drafts' positions off the request's computed tokens (their KV
-        is overwritten by the tokens that follow); returns how many there were."""
+        is overwritten by the tokens that follow). A step scheduled ahead of this one counted
+        them as accepted: the runner has moved it back by as many, on the device."""
         request = scheduled.request
         request.num_spec_in_flight = 0
         num_drafts = len(scheduled.spec_token_ids)
         num_rejected = num_drafts - max(len(tokens) - 1, 0) if tokens else num_drafts
         request.num_computed_tokens -= num_rejected
-        return num_rejected
 
     def _append_tokens(self, request: Request, tokens: list[int]) -> RequestStatus | None:
         """Appends tokens up to the first that stops the request (cutting the list there)."""
@@ -163,12 +173,16 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if request.num_output_placeholders and not self._may_run_ahead(request):
+            ahead = request.num_output_placeholders > 0
+            if ahead and not self._may_run_ahead(request):
                 continue
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
-            if num_new == 0:
-                continue
-            drafts = self._drafts(request, num_new, step.budget)
+            if ahead and self.config.num_lookahead_tokens:
+                num_new, drafts = 1, self._drafts_ahead(request, step.budget)
+            else:
+                num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
+                if num_new == 0:
+                    continue
+                drafts = self._drafts(request, num_new, step.budget)
             # drafts never preempt anyone: without room for them the request goes without
             block_ids = None
             if drafts:
@@ -198,13 +212,16 @@ class Scheduler:
 
     def _may_run_ahead(self, request: Request) -> bool:
         """Whether to schedule a request whose last token is still being sampled: not when that
-        token is its last anyway, nor with speculation on: drafts follow the last token on the
-        host, and how many are accepted decides where the next step starts."""
-        num_tokens = request.num_tokens + request.num_output_placeholders
+        token is its last anyway. Speculating, only where the drafts are made on the device
+        and the request's sampling reads nothing the host must count first (runs_ahead)."""
+        if self.config.num_lookahead_tokens and not (
+            self.config.drafts_on_device and runs_ahead(request)
+        ):
+            return False
+        # the token the step samples sits after those computed (drafts counted as accepted)
         return (
-            not self.config.num_lookahead_tokens
-            and request.num_output_tokens + request.num_output_placeholders < request.max_tokens
-            and num_tokens < self.config.max_model_len
+            request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+            and request.num_computed_tokens + 1 < self.config.max_model_len
         )
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -228,6 +245,19 @@ class Scheduler:
             self.config.max_model_len - request.num_tokens - 1,
         )
         return request.spec_token_ids[: max(room, 0)]
+
+    def _drafts_ahead(self, request: Request, budget: int) -> list[int]:
+        """Placeholders for the drafts of a step scheduled while the request's last step runs:
+        its input token, its drafts and where it starts are all on the device. The request's
+        num_computed_tokens counts the step in flight's drafts as accepted, so the room left
+        under max_model_len here holds however many are."""
+        room = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - request.num_output_placeholders - 1,
+            self.config.max_model_len - request.num_computed_tokens - 1,
+            self.config.num_lookahead_tokens,
+        )
+        return [DRAFT_ON_DEVICE] * max(room, 0)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
         while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
@@ -320,6 +350,21 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
+
+
+def runs_ahead(request: Request) -> bool:
+    """Whether a speculating request may be scheduled while its last step runs. Not with a
+    grammar (its drafts are checked on the host), a seed or min_tokens (its sampling counts
+    the tokens taken so far), penalties or bad words (it has no drafts: drafting stays in
+    step with the host)."""
+    params = request.sampling_params
+    return (
+        request.grammar is None
+        and params.seed is None
+        and params.min_tokens == 0
+        and not params.uses_penalties
+        and not request.bad_words_token_ids
+    )
 
 
 def check_fits(

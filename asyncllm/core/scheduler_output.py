@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from asyncllm.outputs import PromptLogprobsChunk, TokenLogprobs
 from asyncllm.request import Request
 
+# a draft of a step scheduled while the request's step before runs: the proposer makes it on
+# the device after that step, and the runner takes it from there
+DRAFT_ON_DEVICE = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -20,10 +24,13 @@ class ScheduledRequest:
     num_computed_tokens: int
     # the request's whole block table after this step's allocation
     block_ids: list[int]
-    # draft tokens to verify, the last of num_new_tokens (speculative decoding)
+    # draft tokens to verify, the last of num_new_tokens (speculative decoding); all
+    # DRAFT_ON_DEVICE in a step scheduled ahead of the request's step in flight
     spec_token_ids: list[int] = field(default_factory=list)
-    # this step's input tokens known on the host when scheduled; one fewer than num_new_tokens
-    # when the last is the token the step in flight samples (async scheduling)
+    # this step's input tokens known on the host when scheduled. Scheduled ahead of the step in
+    # flight (async scheduling), the first token not here is the one that step samples, and
+    # any drafts after it are on the device too; num_computed_tokens then counts that step's
+    # drafts as accepted, and the runner moves the step back by those rejected
     token_ids: list[int] = field(init=False)
     # the step reaches the end of the request's tokens, so it samples the next one
     completes_prompt: bool = field(init=False)
@@ -31,8 +38,13 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         end = self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
         self.token_ids = self.request.all_token_ids[self.num_computed_tokens : end]
-        self.token_ids += self.spec_token_ids
+        if not self.drafts_on_device:
+            self.token_ids += self.spec_token_ids
         self.completes_prompt = end >= self.request.num_tokens
+
+    @property
+    def drafts_on_device(self) -> bool:
+        return bool(self.spec_token_ids) and self.spec_token_ids[0] == DRAFT_ON_DEVICE
 
 
 @dataclass

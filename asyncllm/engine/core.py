@@ -34,7 +34,7 @@ from asyncllm.engine.profiler import CoreProfiler
 from asyncllm.executor import Executor, WorkerDiedError, create_executor
 from asyncllm.request import Request, RequestStatus
 from asyncllm.spec_decode.metrics import SpecDecodingStats
-from asyncllm.spec_decode.proposer import create_host_proposer, propose_drafts, take_drafts
+from asyncllm.spec_decode.proposer import take_drafts
 
 # how long an engine with nothing else to do waits for a grammar before looking at its inbox
 _GRAMMAR_POLL_S = 0.05
@@ -64,7 +64,6 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.depth = 2 if config.async_scheduling else 1
-        self.proposer = create_host_proposer(config.speculative)
         self.spec_decoding_stats = SpecDecodingStats()
         self._in_flight: collections.deque[_LaunchedStep] = collections.deque()
         # finished and preempted ids of empty schedules, for the runner's next step
@@ -162,8 +161,9 @@ class EngineCore:
             finished = self._in_flight.popleft()
             outputs += self._finish(finished)
             num_tokens = [finished.scheduler_output.total_num_scheduled_tokens]
-            # speculating, a step is not scheduled ahead of the one before (its drafts follow
-            # that step's tokens): launched here, it runs while the front end takes these in
+            # a speculating request whose drafts are checked or made on the host is not
+            # scheduled ahead of its step in flight: launched here, its next step runs while
+            # the front end takes these in
             if self.config.speculative is not None and self.depth > 1 and not self._in_flight:
                 self._launch_more()
         elif self._compiling and not outputs:
@@ -304,9 +304,7 @@ class EngineCore:
                     new_prompt_logprobs=prompt_logprobs,
                 )
             )
-        if self.proposer is not None:
-            propose_drafts(self.proposer, self.scheduler.running, self._grammar_drafts)
-        elif runner_output.draft_token_ids is not None:
+        if runner_output.draft_token_ids is not None:
             requests = (s.request for s in scheduler_output.scheduled)
             take_drafts(requests, runner_output.draft_token_ids, self._grammar_drafts)
         return outputs

@@ -19,6 +19,7 @@ from asyncllm.spec_decode.draft_step import DraftKVCache, TargetStep, one_token_
 
 class DraftModelProposer:
     reads_hidden = False
+    drafts_on_device = False
     aux_layers: tuple[int, ...] = ()
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, num_tokens: int) -> None:

@@ -55,6 +55,23 @@ class TargetStep:
         return shifted
 
 
+@dataclass
+class DraftBatch:
+    """What a proposer on the device sees of a step: where its input tokens went, the tokens
+    of requests new to their rows, each sampling row's next token, and the hidden states."""
+
+    input_ids: torch.Tensor  # [T] the step's input tokens (no padding)
+    positions: torch.Tensor  # [T]
+    token_rows: torch.Tensor  # [T] each token's input-batch row
+    known: list[tuple[int, list[int]]]  # (row, the tokens before the step) of rows new to it
+    rows: torch.Tensor  # [R] each sampling row's input-batch row
+    next_token_ids: torch.Tensor  # [R]
+    next_positions: torch.Tensor  # [R]
+    max_len: int  # at least every sampling row's token count after the step
+    hidden: torch.Tensor | None  # [T', H] the step's final hidden states, where kept
+    sampled_rows: torch.Tensor  # [R] the row of hidden whose sample is each next token
+
+
 @dataclass(frozen=True)
 class DraftLimits:
     block_size: int

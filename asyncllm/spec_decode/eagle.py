@@ -20,6 +20,7 @@ from asyncllm.spec_decode.draft_step import DraftKVCache, TargetStep, one_token_
 
 class EagleProposer:
     reads_hidden = True
+    drafts_on_device = False
 
     def __init__(
         self, head: EagleLlamaHead | Eagle3LlamaHead, num_tokens: int, config: ModelConfig

@@ -1,16 +1,19 @@
 """Medusa proposer: k heads on the target's final hidden state at the row whose sample is a
-request's next token guess the k tokens after it, greedily, in one pass (no KV cache)."""
+request's next token guess the k tokens after it, greedily, in one pass (no KV cache). It reads
+nothing from the host, so it drafts on the device and a request's next step may run ahead."""
 
 from __future__ import annotations
 
+import torch
+
 from asyncllm.config import ModelConfig
 from asyncllm.models.medusa import MedusaHeads
-from asyncllm.spec_decode.draft_model import stack_drafts
-from asyncllm.spec_decode.draft_step import DraftKVCache, TargetStep
+from asyncllm.spec_decode.draft_step import DraftBatch, DraftKVCache
 
 
 class MedusaProposer:
     reads_hidden = True
+    drafts_on_device = True
     aux_layers: tuple[int, ...] = ()
 
     def __init__(self, heads: MedusaHeads, num_tokens: int, config: ModelConfig) -> None:
@@ -23,9 +26,5 @@ class MedusaProposer:
         self.num_tokens = num_tokens
         self.kv_cache = DraftKVCache([], config.dtype, config.device)
 
-    def draft(self, step: TargetStep) -> list[list[int]]:
-        if not step.num_sampling:
-            return []
-        hidden = step.forward.hidden[step.sampled_rows]
-        guesses = self.heads.draft_token_ids(hidden, self.num_tokens)
-        return stack_drafts(list(guesses.unbind(dim=1)), step)
+    def propose(self, batch: DraftBatch) -> torch.Tensor:
+        return self.heads.draft_token_ids(batch.hidden[batch.sampled_rows], self.num_tokens)

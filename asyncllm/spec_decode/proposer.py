@@ -1,23 +1,14 @@
-"""Which requests speculate, and the host-side proposers that draft for them."""
+"""Which requests speculate: the drafts a worker's proposer made after a step are left on
+the requests that may (for the next step to verify, when it is not scheduled ahead)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from asyncllm.config import SpeculativeConfig
 from asyncllm.request import Request, RequestStatus
-from asyncllm.spec_decode.ngram import NgramProposer
 
 # a request's drafts cut to those its structured-output grammar takes
 DraftCut = Callable[[Request, list[int]], list[int]]
-
-
-def create_host_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    """The proposer the engine core runs; None where drafts come from the worker (a draft
-    model or draft heads run next to the target and return them with each step's output)."""
-    if config is None or config.method != "ngram":
-        return None
-    return NgramProposer(config)
 
 
 def may_speculate(request: Request) -> bool:
@@ -39,13 +30,3 @@ def take_drafts(requests: Iterable[Request], drafts: Iterable[list[int]], cut: D
     """Leaves the worker's drafts, cut, on the requests that may speculate."""
     for request, request_drafts in zip(requests, drafts):
         request.spec_token_ids = cut(request, request_drafts) if may_speculate(request) else []
-
-
-def propose_drafts(proposer: NgramProposer, requests: Iterable[Request], cut: DraftCut) -> None:
-    """Leaves each request's drafts, cut, for the next step (none where it may not
-    speculate)."""
-    for request in requests:
-        if may_speculate(request):
-            request.spec_token_ids = cut(request, proposer.propose(request.all_token_ids))
-        else:
-            request.spec_token_ids = []

@@ -14,7 +14,6 @@ so their rows have one position each and keep their metadata as it is.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -67,25 +66,29 @@ class LayoutTensors:
     offset: torch.Tensor  # [P]: its index among the row's positions
     counts: torch.Tensor  # [R]
     starts: torch.Tensor  # [R]
-    proposed: torch.Tensor  # [R, width - 1]: the drafts, -2 after a row's last
+    draft_index: torch.Tensor  # [R, width - 1]: the scored position each draft is the input of
 
     @classmethod
-    def of(
-        cls, layout: DraftLayout, drafts: list[list[int]], device: torch.device
-    ) -> LayoutTensors:
+    def of(cls, layout: DraftLayout, device: torch.device) -> LayoutTensors:
         counts, starts = np.array(layout.counts), np.array(layout.starts)
         owner = np.repeat(np.arange(len(counts)), counts)
         offset = np.arange(len(owner)) - starts[owner]
-        proposed = np.full((len(counts), layout.width - 1), -2, dtype=np.int64)
+        draft_index = np.full((len(counts), layout.width - 1), -1, dtype=np.int64)
         draft_rows = np.repeat(np.arange(len(counts)), layout.num_drafts)
-        proposed[draft_rows, _columns(layout.num_drafts)] = np.fromiter(
-            itertools.chain.from_iterable(drafts), np.int64, len(draft_rows)
-        )
-        parts = [owner, offset, counts, starts, proposed.ravel()]
+        columns = _columns(layout.num_drafts)
+        draft_index[draft_rows, columns] = starts[draft_rows] + 1 + columns
+        parts = [owner, offset, counts, starts, draft_index.ravel()]
         # pinned: from pageable memory the copy would wait for the forward pass queued before it
         flat = to_device(np.concatenate(parts).astype(np.int64), device)
-        owner_t, offset_t, counts_t, starts_t, proposed_t = flat.split([len(p) for p in parts])
-        return cls(owner_t, offset_t, counts_t, starts_t, proposed_t.view(proposed.shape))
+        owner_t, offset_t, counts_t, starts_t, index_t = flat.split([len(p) for p in parts])
+        return cls(owner_t, offset_t, counts_t, starts_t, index_t.view(draft_index.shape))
+
+    def proposed(self, scored_ids: torch.Tensor) -> torch.Tensor:
+        """[R, width - 1]: each row's drafts, read from the input tokens of the scored
+        positions (scored_ids [P]: a draft is the input of the position after the one it
+        follows), -2 after a row's last. Drafts made on the device are known only there."""
+        index = self.draft_index
+        return torch.where(index >= 0, scored_ids[index.clamp(min=0)], -2)
 
     def positions_of(self, row_ids: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
         """Each listed row as width positions, the row's last repeated past its count (so the
@@ -182,6 +185,9 @@ class DraftVerification:
     sampled: SamplerOutput  # per scored position
     num_accepted: torch.Tensor  # int64 [R]
     next_token_ids: torch.Tensor  # int64 [R]: each row's last token (the next step's input)
+    # int64 [R]: drafts rejected, how far back of its scheduled start a step run ahead begins
+    num_rejected: torch.Tensor
+    next_scored: torch.Tensor  # int64 [R]: the scored position each row's last token is from
 
     def copy_to_host(self) -> DraftVerification:
         def copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -231,19 +237,24 @@ def verify_drafts(
     sampler: Sampler,
     logits: torch.Tensor,
     meta: SamplingMetadata,
-    drafts: list[list[int]],
     layout: DraftLayout,
+    scored_ids: torch.Tensor,
 ) -> DraftVerification:
     """logits [P, V] at every scored position (DraftLayout's order), meta one row per sampling
-    row, drafts per sampling row and layout = DraftLayout.of(drafts)."""
+    row, scored_ids [P] the input token of each scored position (a row's last token, then its
+    drafts)."""
     device = logits.device
-    tensors = LayoutTensors.of(layout, drafts, device)
+    tensors = LayoutTensors.of(layout, device)
     repeated = repeat_metadata(meta, layout, tensors)
     sampled = sampler(logits, repeated)
-    by_row = torch.full((len(drafts), layout.width), -1, dtype=torch.int64, device=device)
+    by_row = torch.full((len(layout.counts), layout.width), -1, dtype=torch.int64, device=device)
     by_row[tensors.owner, tensors.offset] = sampled.sampled_token_ids
     # -2 pads the drafts and -1 the samples, so padding never agrees
-    agrees = by_row[:, :-1] == tensors.proposed
+    agrees = by_row[:, :-1] == tensors.proposed(scored_ids)
     num_accepted = agrees.int().cumprod(dim=1).sum(dim=1)
     next_token_ids = by_row.gather(1, num_accepted[:, None].long()).squeeze(1)
-    return DraftVerification(layout, repeated, sampled, num_accepted, next_token_ids)
+    num_rejected = tensors.counts - 1 - num_accepted
+    next_scored = tensors.starts + num_accepted
+    return DraftVerification(
+        layout, repeated, sampled, num_accepted, next_token_ids, num_rejected, next_scored
+    )

@@ -30,17 +30,46 @@ class StepInputs:
     # every token samples (a decode step), so that picking them copies nothing
     logits_indices: torch.Tensor | slice
     sampling_rows: list[int]  # scheduled index of each logits row
+    batch_rows: np.ndarray  # each scheduled request's row of the batch
+    token_rows: np.ndarray  # each (unpadded) token's row of the batch
+    new_rows: list[int]  # scheduled indices of the requests given a row this step
 
 
 @dataclass
 class DeviceTokens:
     """The ids a launched step sampled, still on the device: inputs of the next step for the
-    requests it was scheduled ahead for. When that step failed (lost), its requests are being
-    failed too: their rows compute on a placeholder token and their outputs are discarded."""
+    requests it was scheduled ahead for, with the drafts proposed after them and how many of
+    each row's drafts the step rejected (how far back of its scheduled start the next step
+    begins). When that step failed (lost), its requests are being failed too: their rows
+    compute on placeholder tokens and their outputs are discarded."""
 
     token_ids: torch.Tensor  # int64 [R]
     rows: dict[str, int]  # request id -> index in token_ids
     lost: bool = False
+    drafts: torch.Tensor | None = None  # int64 [R, k]; -1: no draft
+    num_rejected: torch.Tensor | None = None  # int64 [R]; None: no drafts were verified
+
+
+@dataclass
+class _OnDevice:
+    """The inputs of a step's rows scheduled ahead, as flat host arrays: per token, its flat
+    row, its source row in DeviceTokens, its column (0: the sampled token, j: draft j) and its
+    request's row in the step; per request, its row in the step and its source row."""
+
+    targets: list[int]
+    sources: list[int]
+    columns: list[int]
+    owners: list[int]
+    request_rows: list[int]
+    request_sources: list[int]
+
+    def add(self, row: int, start: int, count: int, source: int) -> None:
+        self.targets += range(start, start + count)
+        self.sources += [source] * count
+        self.columns += range(count)
+        self.owners += [row] * count
+        self.request_rows.append(row)
+        self.request_sources.append(source)
 
 
 def _logits_rows(ends: np.ndarray, sampling: list[ScheduledRequest]) -> np.ndarray:
@@ -89,8 +118,7 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.max_num_reqs = max_num_reqs
         max_blocks = -(-max_model_len // block_size)
-        # rows outlive a request by one step (finished ids arrive with the next schedule)
-        num_rows = 2 * max_num_reqs
+        num_rows = self.rows_for(max_num_reqs)
         self.block_table = np.zeros((num_rows, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(num_rows, dtype=np.int32)
         self.rows: dict[str, int] = {}
@@ -103,10 +131,14 @@ class InputBatch:
         self.block_tables = _Buffer((max_num_reqs, max_blocks), torch.int32, device)
         # a row per sampling request, or per scored position of a step verifying drafts
         self.logits_indices = _Buffer((max_num_tokens,), torch.int64, device)
-        # where tokens sampled on the device go in input_ids, and where they come from
-        self.device_token_targets = _Buffer((max_num_reqs,), torch.int64, device)
-        self.device_token_sources = _Buffer((max_num_reqs,), torch.int64, device)
+        # the inputs of rows scheduled ahead, sent in one copy (_OnDevice's lists end to end)
+        self.on_device = _Buffer((4 * max_num_tokens + 2 * max_num_reqs,), torch.int64, device)
         self._buffers = [v for v in vars(self).values() if isinstance(v, _Buffer)]
+
+    @staticmethod
+    def rows_for(max_num_reqs: int) -> int:
+        # rows outlive a request by one step (finished ids arrive with the next schedule)
+        return 2 * max_num_reqs
 
     def remove_requests(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -128,13 +160,14 @@ class InputBatch:
         for buffer in self._buffers:
             buffer.flip()
         scheduled = scheduler_output.scheduled
+        new_rows = [i for i, s in enumerate(scheduled) if s.request.request_id not in self.rows]
         rows = np.array([self._sync_row(s.request.request_id, s.block_ids) for s in scheduled])
         starts = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
         counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         num_reqs, num_tokens = len(scheduled), int(counts.sum())
         plan = plan or StepPlan(StepRunner.EAGER, num_tokens, num_reqs)
         cu = np.cumsum(counts)
-        num_on_device = self._fill_input_ids(scheduler_output, cu, previous)
+        on_device = self._fill_input_ids(scheduler_output, cu, previous)
         owner = np.repeat(np.arange(num_reqs), counts)
         positions = np.arange(num_tokens) - np.repeat(cu - counts, counts) + starts[owner]
         self.positions.np[:num_tokens] = positions
@@ -169,43 +202,82 @@ class InputBatch:
             query_lens_cpu=counts.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        input_ids = self.input_ids.copy_rows(plan.num_tokens)
-        if num_on_device:
-            targets = self.device_token_targets.copy_rows(num_on_device)
-            sources = self.device_token_sources.copy_rows(num_on_device)
-            input_ids.index_copy_(0, targets, previous.token_ids.index_select(0, sources))
-        return StepInputs(
+        inputs = StepInputs(
             padded_tokens=plan.num_tokens,
-            input_ids=input_ids,
+            input_ids=self.input_ids.copy_rows(plan.num_tokens),
             positions=self.positions.copy_rows(plan.num_tokens),
             meta=meta,
             logits_indices=logits_indices,
             sampling_rows=sampling_rows,
+            batch_rows=rows,
+            token_rows=rows[owner],
+            new_rows=new_rows,
         )
+        if on_device.targets:
+            self._take_from_device(inputs, on_device, previous)
+        return inputs
+
+    def _take_from_device(
+        self, inputs: StepInputs, on_device: _OnDevice, previous: DeviceTokens
+    ) -> None:
+        """The inputs of the rows scheduled ahead: the token the step before sampled, the
+        drafts proposed after it, and the positions, slots and lengths moved back by the
+        drafts that step rejected (the scheduler counted them as accepted)."""
+        parts = [
+            on_device.targets,
+            on_device.sources,
+            on_device.columns,
+            on_device.owners,
+            on_device.request_rows,
+            on_device.request_sources,
+        ]
+        sizes = [len(p) for p in parts]
+        self.on_device.np[: sum(sizes)] = np.concatenate(parts)
+        flat = self.on_device.copy_rows(sum(sizes))
+        targets, sources, columns, owners, rows, row_sources = flat.split(sizes)
+        token_ids = previous.token_ids.index_select(0, sources)
+        if previous.drafts is not None:
+            drafts = previous.drafts[sources, (columns - 1).clamp(min=0)]
+            # a row with no draft there verifies token 0: accepted only where the target
+            # samples 0, which is exact all the same
+            token_ids = torch.where(columns > 0, drafts.clamp(min=0), token_ids)
+        inputs.input_ids.index_copy_(0, targets, token_ids)
+        if previous.num_rejected is None:
+            return
+        meta, block_size = inputs.meta, self.block_size
+        positions = inputs.positions.index_select(0, targets)
+        positions -= previous.num_rejected.index_select(0, sources)
+        inputs.positions.index_copy_(0, targets, positions)
+        blocks = meta.block_tables[owners, positions // block_size].long()
+        meta.slot_mapping.index_copy_(0, targets, blocks * block_size + positions % block_size)
+        moved = previous.num_rejected.index_select(0, row_sources).to(meta.seq_lens.dtype)
+        meta.seq_lens.index_add_(0, rows, -moved)
+        if meta.seq_lens.device.type == "cpu":  # the torch backend reads the host's lengths
+            meta.seq_lens_cpu = meta.seq_lens[: len(meta.seq_lens_cpu)].tolist()
 
     def _fill_input_ids(
         self, scheduler_output: SchedulerOutput, ends: np.ndarray, previous: DeviceTokens | None
-    ) -> int:
-        """Writes the host-known input ids; lists the ones still on the device (the last input
-        of a request scheduled ahead of its sampled token) and returns how many there are."""
-        ids, num_on_device = self.input_ids.np, 0
-        for s, end in zip(scheduler_output.scheduled, ends.tolist()):
+    ) -> _OnDevice:
+        """Writes the host-known input ids; lists the ones still on the device (those of a
+        request scheduled ahead of the step that samples its last token)."""
+        ids, on_device = self.input_ids.np, _OnDevice([], [], [], [], [], [])
+        for row, (s, end) in enumerate(zip(scheduler_output.scheduled, ends.tolist())):
             start = end - s.num_new_tokens
-            ids[start : start + len(s.token_ids)] = s.token_ids
-            if len(s.token_ids) < s.num_new_tokens:
-                source = None if previous is None else previous.rows.get(s.request.request_id)
-                if source is None and previous is not None and previous.lost:
-                    ids[end - 1] = 0
-                    continue
-                if source is None:
-                    raise RuntimeError(
-                        f"the input token of request {s.request.request_id!r} is neither on "
-                        "the host nor sampled by the previous step"
-                    )
-                self.device_token_targets.np[num_on_device] = end - 1
-                self.device_token_sources.np[num_on_device] = source
-                num_on_device += 1
-        return num_on_device
+            known = start + len(s.token_ids)
+            ids[start:known] = s.token_ids
+            if known == end:
+                continue
+            ids[known:end] = 0
+            source = None if previous is None else previous.rows.get(s.request.request_id)
+            if source is None and previous is not None and previous.lost:
+                continue
+            if source is None:
+                raise RuntimeError(
+                    f"the input token of request {s.request.request_id!r} is neither on "
+                    "the host nor sampled by the previous step"
+                )
+            on_device.add(row, known, end - known, source)
+        return on_device
 
     def _sync_row(self, request_id: str, block_ids: list[int]) -> int:
         """The request's row, with any blocks allocated since the last step appended."""

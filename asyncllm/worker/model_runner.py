@@ -16,6 +16,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
@@ -27,6 +28,7 @@ from asyncllm.models.causal_lm import CausalLM
 from asyncllm.models.loader import load_model
 from asyncllm.outputs import PromptLogprobsChunk
 from asyncllm.sample.grammar_mask import apply_token_bitmask
+from asyncllm.sample.history import to_device
 from asyncllm.sample.logprobs import (
     LogprobsTensors,
     PromptSpan,
@@ -36,7 +38,7 @@ from asyncllm.sample.logprobs import (
 from asyncllm.sample.metadata import SamplingMetadata
 from asyncllm.sample.sampler import Sampler, SamplerOutput
 from asyncllm.sample.state import SamplingState
-from asyncllm.spec_decode.draft_step import DraftLimits, TargetForward, target_step
+from asyncllm.spec_decode.draft_step import DraftBatch, DraftLimits, TargetForward, target_step
 from asyncllm.spec_decode.verify import (
     DraftLayout,
     DraftVerification,
@@ -102,6 +104,7 @@ class LaunchedModelStep:
     done: torch.cuda.Event | None  # None on CPU, where the step ran to its end already
     verification: DraftVerification | None = None  # a step that verified drafts, in host memory
     draft_token_ids: list[list[int]] | None = None  # the draft model's, per scheduled request
+    device_drafts: torch.Tensor | None = None  # [R, k] host copy of drafts made on the device
 
     def wait(self) -> ModelRunnerOutput:
         """Blocks this thread (Event.synchronize releases the GIL) until the ids are here."""
@@ -117,6 +120,10 @@ class LaunchedModelStep:
             output.set_sampled(self.sampling_rows, *self.sampled.to_host(self.meta))
         output.prompt_logprobs = self.prompt_logprobs
         output.draft_token_ids = self.draft_token_ids
+        if self.device_drafts is not None:
+            output.draft_token_ids = [[] for _ in range(self.num_scheduled)]
+            for row, drafts in zip(self.sampling_rows, self.device_drafts.tolist()):
+                output.draft_token_ids[row] = drafts[: drafts.index(-1)] if -1 in drafts else drafts
         return output
 
 
@@ -149,7 +156,8 @@ class ModelRunner:
             backend = make_attention_backend(config.model.attention_backend)
             kernel_build = start_kernel_build(backend, self.device)
             self.model: CausalLM = load_model(config.model, backend)
-            self.drafter = load_worker_proposer(config, self.model, backend)
+            num_rows = InputBatch.rows_for(scheduler.max_num_seqs)
+            self.drafter = load_worker_proposer(config, self.model, backend, num_rows)
             warm_up_packed_linears(
                 self.model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
             )
@@ -207,7 +215,7 @@ class ModelRunner:
         if constrained:
             self.grammar_matchers.start_fill(constrained)
         hidden, logits, aux_hidden = self._forward(plan, inputs)
-        sampled = meta = verification = draft_token_ids = next_token_ids = None
+        sampled = meta = verification = draft_token_ids = next_token_ids = device_drafts = None
         if inputs.sampling_rows:
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
             # masked before the sampler processes the logits
@@ -215,7 +223,8 @@ class ModelRunner:
                 bitmask = self.grammar_matchers.bitmask(constrained, logits.shape[0])
                 apply_token_bitmask(logits, bitmask)
             if any(drafts):
-                verification = verify_drafts(self.sampler, logits, meta, drafts, layout)
+                scored_ids = inputs.input_ids[inputs.logits_indices]
+                verification = verify_drafts(self.sampler, logits, meta, layout, scored_ids)
                 next_token_ids = verification.next_token_ids
             else:
                 sampled = self.sampler(logits, meta)
@@ -224,8 +233,18 @@ class ModelRunner:
             ids = [
                 scheduler_output.scheduled[row].request.request_id for row in inputs.sampling_rows
             ]
-            self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
-        if self.drafter is not None:
+            if self.drafter is not None and self.drafter.drafts_on_device:
+                batch = self._draft_batch(
+                    scheduler_output, inputs, hidden, next_token_ids, verification
+                )
+                device_drafts = self.drafter.propose(batch)
+            self._last_sampled = DeviceTokens(
+                next_token_ids,
+                dict(zip(ids, range(len(ids)))),
+                drafts=device_drafts,
+                num_rejected=None if verification is None else verification.num_rejected,
+            )
+        if self.drafter is not None and not self.drafter.drafts_on_device:
             forward = TargetForward(
                 inputs.input_ids, inputs.positions, inputs.meta, hidden, aux_hidden
             )
@@ -238,6 +257,8 @@ class ModelRunner:
             verification = verification.copy_to_host()
         elif sampled is not None:
             sampled = _copy_to_host(sampled)
+        if device_drafts is not None:
+            device_drafts = device_drafts.to("cpu", non_blocking=True)
         prompt_logprobs = {}
         if prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
@@ -258,6 +279,7 @@ class ModelRunner:
             done,
             verification,
             draft_token_ids,
+            device_drafts,
         )
 
     def _draft(
@@ -289,6 +311,46 @@ class ModelRunner:
         for row, row_drafts in zip(inputs.sampling_rows, self.drafter.draft(step)):
             per_request[row] = row_drafts
         return per_request
+
+    def _draft_batch(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        hidden: torch.Tensor | None,
+        next_token_ids: torch.Tensor,
+        verification: DraftVerification | None,
+    ) -> DraftBatch:
+        """The step as a proposer on the device reads it: nothing here waits for the device."""
+        scheduled = scheduler_output.scheduled
+        num_tokens = len(inputs.token_rows)
+        sampled_rows = torch.arange(inputs.padded_tokens, device=self.device)
+        sampled_rows = sampled_rows[inputs.logits_indices]
+        if verification is not None:
+            sampled_rows = sampled_rows[verification.next_scored]
+        sampling = [scheduled[r] for r in inputs.sampling_rows]
+        rows = np.concatenate([inputs.token_rows, inputs.batch_rows[inputs.sampling_rows]])
+        flat = to_device(rows.astype(np.int64), self.device)
+        known = [
+            (
+                int(inputs.batch_rows[i]),
+                scheduled[i].request.all_token_ids[: scheduled[i].num_computed_tokens],
+            )
+            for i in inputs.new_rows
+        ]
+        # scheduled ahead, a step's start counts the drafts in flight as accepted: a bound
+        max_len = max(s.num_computed_tokens + s.num_new_tokens + 1 for s in sampling)
+        return DraftBatch(
+            input_ids=inputs.input_ids[:num_tokens],
+            positions=inputs.positions[:num_tokens],
+            token_rows=flat[:num_tokens],
+            known=known,
+            rows=flat[num_tokens:],
+            next_token_ids=next_token_ids,
+            next_positions=inputs.positions[sampled_rows] + 1,
+            max_len=min(max_len, self.config.model.max_model_len),
+            hidden=hidden,
+            sampled_rows=sampled_rows,
+        )
 
     def _forward(
         self, plan: StepPlan, inputs: StepInputs
