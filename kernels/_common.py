@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +41,18 @@ def uses_pdl(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("ASYNCLLM_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+Config = TypeVar("Config")
+
+
+@functools.lru_cache(maxsize=16)
+def config_from_env(name: str, default: Config) -> Config:
+    """default (a frozen dataclass of launch settings), or one of its type from the JSON object
+    in the environment variable `name`: a GPU sweep's winner tried in the same run, before it
+    becomes the default."""
+    value = os.environ.get(name)
+    return type(default)(**json.loads(value)) if value else default
 
 
 def next_pow2(n: int) -> int:

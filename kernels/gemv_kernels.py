@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2, uses_pdl
+from kernels._common import config_from_env, next_pow2, uses_pdl
 
 # what runs on x before the GEMM (constexpr, so the kernel may read them)
 NO_PROLOGUE = tl.constexpr(0)
@@ -33,6 +33,11 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
+
+
+# the JSON of a GemvConfig that e4m3 weights take instead of choose_gemv_config's (a sweep's
+# winner, bench/fp8_gemm_sweep.py)
+FP8_GEMV_ENV = "ASYNCLLM_FP8_GEMV"
 
 
 @triton.jit
@@ -143,6 +148,12 @@ def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
 
 
+def fp8_gemv_config(n: int, k: int) -> GemvConfig:
+    """e4m3 rows are half as long in bytes: four of them give a program bf16's two rows' bytes
+    (ASYNCLLM_FP8_GEMV overrides)."""
+    return config_from_env(FP8_GEMV_ENV, choose_gemv_config(n, k, block_n=4))
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -162,8 +173,7 @@ def _launch(
     assert weight.dtype == x.dtype or fp8
     assert scale is None or (scale.is_contiguous() and scale.numel() == n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    # e4m3 rows are half as long in bytes: four of them give a program bf16's two rows' bytes
-    config = config or choose_gemv_config(n, k, block_n=4 if fp8 else 2)
+    config = config or (fp8_gemv_config(n, k) if fp8 else choose_gemv_config(n, k))
     pdl = uses_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,

@@ -7,6 +7,8 @@ also in bf16 on a Llama-3.1-8B projection.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +25,8 @@ from asyncllm.layers.quantization.fp8 import (
     quantize_with_scale,
 )
 from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4
+from kernels._common import config_from_env
+from kernels.fp8_gemm import Fp8GemmConfig
 from kernels.int4_kernels import GEMV_MAX_ROWS, HALF_MAGIC_BITS, PAIR_MASK, Int4GemvConfig
 
 CUDA = torch.cuda.is_available()
@@ -88,6 +92,40 @@ def test_int4_gemv_launch_settings(m, k, n, config) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+# tiles of several slices: slices in different groups (a group of one word, of 5 words cut to
+# slices of 1, of 8 words two slices a tile), K and N ending mid-tile, a tile's last slice wholly
+# past K, K split in two, and whole tiles (EVEN)
+@pytest.mark.parametrize(("m", "k", "n", "group", "config"), [
+    (1, 200, 40, 8, Int4GemvConfig(block_n=16, block_r=4, slices=4, splits=1)),
+    (2, 520, 20, 64, Int4GemvConfig(block_n=8, block_r=8, slices=2, splits=1)),
+    (3, 1000, 48, 40, Int4GemvConfig(block_n=16, block_r=8, slices=8, splits=2)),
+    (4, 128, 16, 128, Int4GemvConfig(block_n=16, block_r=16, slices=2, splits=1)),
+    (1, 1024, 64, 128, Int4GemvConfig(block_n=32, block_r=16, slices=4, splits=1)),
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_gemv_tiles_of_several_slices(m, k, n, group, config, dtype) -> None:
+    """bf16 takes the packed path on the GPU (the fp32 one on the CPU)."""
+    qweight, scales, zeros = int4_weights(k, n, group, dtype, seed=k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(dtype).to(DEVICE)
+    expected = x.float() @ dequantize_int4(qweight, scales, zeros, group, k)
+    out = kernels.int4_gemm(x, qweight, scales, zeros, group, gemv_config=config)
+    assert out.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
+    """A sweep's winner runs in the same session through the environment, else the default."""
+    name = "ASYNCLLM_TEST_INT4_GEMV"
+    winner = Int4GemvConfig(block_n=8, block_r=4, slices=2, splits=1, num_warps=2)
+    monkeypatch.setenv(name, json.dumps(dataclasses.asdict(winner)))
+    config_from_env.cache_clear()
+    assert config_from_env(name, Int4GemvConfig()) == winner
+    monkeypatch.delenv(name)
+    config_from_env.cache_clear()
+    assert config_from_env(name, Int4GemvConfig()) == Int4GemvConfig()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_half_path_unpacks_pairs_exactly(dtype) -> None:
     """The GEMV's PTX path, step by step in torch: word >> 4j masked with PAIR_MASK and OR-ed
@@ -127,12 +165,12 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from kernels.int4_kernels import _int4_gemv_kernel
-half, rows, even = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+half, rows, even, slices = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 ty = "*bf16" if half == 1 else "*fp16"
 signature = {"x_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "out_ptr": "*fp32",
              "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
 constexprs = {"GROUP_SIZE": 128, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_R": 16,
-              "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
+              "SLICES": slices, "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
 signature.update(dict.fromkeys(constexprs, "constexpr"))
 source = ASTSource(_int4_gemv_kernel, signature, constexprs)
 try:
@@ -144,12 +182,12 @@ print("ok", binary.asm["ptx"].count("fma.rn."))
 """
 
 
-@pytest.mark.parametrize(("half", "rows", "even"), [(1, 1, True), (2, 4, False)])
-def test_int4_half_path_assembles_for_hopper(half, rows, even) -> None:
+@pytest.mark.parametrize(("half", "rows", "even", "slices"), [(1, 1, True, 4), (2, 4, False, 1)])
+def test_int4_half_path_assembles_for_hopper(half, rows, even, slices) -> None:
     """The inline PTX (which the interpreter cannot run) goes through ptxas for sm_90, its
     packed FMAs (3 a word) in the kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-c", _ASSEMBLE, str(half), str(rows), str(int(even))]
+    args = [sys.executable, "-c", _ASSEMBLE, str(half), str(rows), str(int(even)), str(slices)]
     run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, check=True)
     status, detail = run.stdout.split(maxsplit=1)
     if status == "skip":
@@ -189,6 +227,28 @@ def test_fp8_block_gemm_matches_dequantized_operands(m, n, k, block) -> None:
     )
     out = kernels.fp8_block_gemm(xq, x_scale, wq, w_scale, block, torch.float32)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+# (M, N, K, config): rows, columns and K off every tile, K not a power of two, one tile
+@pytest.mark.parametrize(("m", "n", "k", "config"), [
+    (1, 48, 64, Fp8GemmConfig(block_m=16, block_n=32, block_k=32)),
+    (7, 40, 100, Fp8GemmConfig(block_m=16, block_n=32, block_k=32)),
+    (70, 130, 200, Fp8GemmConfig(block_m=32, block_n=64, block_k=64)),
+    (130, 72, 1000, Fp8GemmConfig()),
+])  # fmt: skip
+def test_fp8_rowwise_gemm_matches_dequantized_operands(m, n, k, config) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    wq, w_scale = quantize_per_row(torch.randn(n, k, generator=gen))
+    xq, x_scale = quantize_per_row(torch.randn(m, k, generator=gen) * 3)
+    expected = (xq.float() * x_scale) @ (wq.float() * w_scale).t()
+    xq, x_scale, wq, w_scale = (t.to(DEVICE) for t in (xq, x_scale, wq, w_scale.view(1, -1)))
+    out = kernels.fp8_rowwise_gemm(xq, x_scale, wq, w_scale, torch.float32, config)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_rowwise_gemm_is_off_until_measured() -> None:
+    """The layer keeps torch._scaled_mm until a GPU sweep says where the kernel wins."""
+    assert Fp8GemmConfig().max_rows == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
