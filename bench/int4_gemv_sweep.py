@@ -1,9 +1,11 @@
 """The 4-bit GEMV at one row on the Llama-3.1-8B projections: kernels.int4_gemm as it runs
 (GEMV_CONFIG) and over a sweep of its launch settings (Int4GemvConfig: tile columns, packed rows
-a tile, warps, K splits), each as weight bytes read per second against the copy bandwidth of
-the same run and against bf16's kernels.gemv. Every output is checked against the dequantized
-weights. The last lines printed name the settings fastest over all four projections together:
-GEMV_CONFIG in kernels/int4_kernels.py is the one-line change that adopts them.
+a slice, slices a tile, warps, K splits), each as weight bytes read per second against the copy
+bandwidth of the same run and against bf16's kernels.gemv. Every output is checked against the
+dequantized weights. The last lines printed name the settings fastest over all four
+projections together: GEMV_CONFIG in kernels/int4_kernels.py is the one-line change that
+adopts them, and `--winner FILE` writes their JSON for ASYNCLLM_INT4_GEMV (a decode run of the
+same session takes them so).
 
     python bench/int4_gemv_sweep.py --out bench/results/int4_gemv_sweep_h200.json
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import platform
 import sys
@@ -31,9 +32,32 @@ from kernels.int4_kernels import GEMV_CONFIG, Int4GemvConfig  # noqa: E402
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 GROUP = 128
+# The last sweep's best (int4_gemv_sweep_h200.json: 64 or 32 columns, 16 packed rows, K in 4
+# parts, 18-52% of the copy bandwidth), and what should beat it: K unsplit (one launch instead
+# of a zero-fill, the kernel and a cast, about 2 us each in a graph against floors of 2-15 us)
+# with tiles of several groups' slices, 4-16 KB of W a program in flight. A program's time is
+# about its tiles in turn times the memory latency, so the small projections (4096 x 4096:
+# 8 MB, a 2 us floor) need few tiles a program: narrow columns, tall tiles
 CONFIGS = [
-    Int4GemvConfig(block_n=bn, block_r=br, splits=sp, num_warps=w, num_stages=1)
-    for bn, br, w, sp in itertools.product((32, 64, 128), (8, 16), (1, 2, 4), (1, 2, 4))
+    Int4GemvConfig(block_n=32, block_r=16, splits=4, num_warps=2),
+    Int4GemvConfig(block_n=64, block_r=8, splits=4, num_warps=1),
+    *(
+        Int4GemvConfig(block_n=bn, block_r=16, slices=sl, splits=1, num_warps=w)
+        for bn, sl, w in (
+            (8, 8, 2),
+            (8, 16, 4),
+            (16, 4, 2),
+            (16, 8, 4),
+            (16, 16, 4),
+            (32, 4, 4),
+            (32, 8, 4),
+            (32, 16, 8),
+            (64, 4, 4),
+            (64, 8, 8),
+        )
+    ),
+    Int4GemvConfig(block_n=16, block_r=16, slices=8, splits=2, num_warps=4),
+    Int4GemvConfig(block_n=32, block_r=16, slices=4, splits=2, num_warps=4),
 ]
 # weights rotated through copies of at least this many bytes, past the H200's 50 MB L2
 ROTATE_BYTES = 256 << 20
@@ -112,6 +136,7 @@ def best_overall(shapes: list[dict]) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--winner", type=Path, help="write the fastest settings' JSON here")
     args = parser.parse_args()
     copy_bps = copy_bandwidth(torch.device("cuda"))
     shapes = []
@@ -150,6 +175,8 @@ def main() -> None:
             f"{overall['speedup_over_bf16_gemv']:.2f}x bf16 gemv"
         )
         print(f"GEMV_CONFIG = Int4GemvConfig(**{overall['config']})")
+        if args.winner:
+            args.winner.write_text(json.dumps(overall["config"]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,248 @@
+"""FP8 (per-channel e4m3 weights) GEMMs on the Llama-3.1-8B projections against bf16 in the
+same run, replayed in CUDA graphs with the weights rotated past the L2 (as decode and the
+offline run meet them):
+
+  gemv  one row (batch-1 decode): kernels.gemv over e4m3 as it runs (choose_gemv_config's
+        4 rows a program) and over a sweep of GemvConfig, as weight bytes per second against
+        the copy bandwidth, and bf16's kernels.gemv; the fastest over the four projections is
+        written with --gemv-winner for ASYNCLLM_FP8_GEMV.
+  gemm  64-512 rows (the offline run's decode batches): where an FP8 layer's time goes,
+        per part: kernels.quantize_fp8 alone, torch._scaled_mm alone (row-wise scales),
+        both (the layer as it runs), and kernels.fp8_rowwise_gemm over a sweep of tiles, against
+        bf16's cuBLAS matmul. --gemm-winner writes the Fp8GemmConfig (with max_rows, the most
+        rows at which the fastest tile beats _scaled_mm over the four projections together) for
+        ASYNCLLM_FP8_GEMM; max_rows 0 when it never does.
+
+Every output is checked against the dequantized operands.
+
+    python bench/fp8_gemm_sweep.py --out bench/results/fp8_gemm_sweep_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import kernels  # noqa: E402
+from asyncllm.layers.quantization.fp8 import quantize_per_row  # noqa: E402
+from bench.int4_gemv_sweep import PROJECTIONS, time_ms  # noqa: E402
+from bench.throughput import copy_bandwidth  # noqa: E402
+from kernels.fp8_gemm import Fp8GemmConfig  # noqa: E402
+from kernels.gemv_kernels import GemvConfig, choose_gemv_config  # noqa: E402
+
+ROWS = (64, 128, 256, 512)
+GEMV_CONFIGS = [
+    GemvConfig(block_n=bn, block_k=bk, num_warps=w)
+    for bn in (2, 4, 8, 16)
+    for bk, w in ((2048, 4), (2048, 8), (4096, 8), (4096, 16))
+]
+# 64-row tiles fill the GPU at 256 rows of a 4096-wide output (4 x 32 = 128 programs) where
+# 128 x 128 makes 64; wider and narrower ones for the 28672-wide gate_up
+GEMM_CONFIGS = [
+    Fp8GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    Fp8GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
+    Fp8GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    Fp8GemmConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3),
+    Fp8GemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=5),
+]
+ROTATE_BYTES = 256 << 20
+
+
+def copies_of(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """Enough copies of tensors that cycling through them reads past the 50 MB L2."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return [tuple(t.clone() for t in tensors) for _ in range(-(-ROTATE_BYTES // nbytes))]
+
+
+def fp8_weights(n: int, k: int, gen: torch.Generator):
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * k**-0.5
+    wq, w_scale = quantize_per_row(w)
+    return w, wq, w_scale.view(1, -1)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def sweep_gemv(n: int, k: int, copy_bps: float) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w, wq, w_scale = fp8_weights(n, k, gen)
+    x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ref = x.float() @ (wq.float() * w_scale.view(-1, 1)).t()
+    fp8 = copies_of((wq, w_scale))
+    w16 = copies_of((w,))
+    bf16_ms = time_ms(lambda i: kernels.gemv(x, w16[i][0]), len(w16))
+    default = choose_gemv_config(n, k, block_n=4)
+    rows = []
+    for config in [default, *(c for c in GEMV_CONFIGS if c != default)]:
+
+        def fn(i, c=config):
+            return kernels.gemv(x, fp8[i][0], None, config=c, scale=fp8[i][1])
+
+        err = relative_error(fn(0), ref)
+        ms = time_ms(fn, len(fp8))
+        rows.append({
+            "config": dataclasses.asdict(config), "default": config == default, "ms": ms,
+            "max_rel_err": err, "of_copy_bandwidth": n * k / (ms * 1e-3) / copy_bps,
+            "speedup_over_bf16_gemv": bf16_ms / ms,
+        })  # fmt: skip
+    ok = [r for r in rows if r["max_rel_err"] < 2e-2]
+    return {
+        "n": n, "k": k, "bf16_gemv_ms": bf16_ms, "floor_ms": n * k / copy_bps * 1e3,
+        "bf16_of_copy_bandwidth": 2 * n * k / (bf16_ms * 1e-3) / copy_bps,
+        "best": min(ok, key=lambda r: r["ms"], default=None),
+        "default": rows[0], "rows": rows,
+    }  # fmt: skip
+
+
+def sweep_gemm(n: int, k: int, m: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w, wq, w_scale = fp8_weights(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    xq, x_scale = kernels.quantize_fp8(x)
+    ref = (xq.float() * x_scale) @ (wq.float() * w_scale.view(-1, 1)).t()
+    fp8 = copies_of((wq, w_scale))
+    w16 = copies_of((w,))
+
+    def scaled_mm(i, xq=xq, x_scale=x_scale):
+        return torch._scaled_mm(xq, fp8[i][0].t(), x_scale, fp8[i][1], out_dtype=torch.bfloat16)
+
+    def layer(i):
+        return scaled_mm(i, *kernels.quantize_fp8(x))
+
+    parts = {
+        "bf16_matmul": time_ms(lambda i: x @ w16[i][0].t(), len(w16)),
+        "quantize_fp8": time_ms(lambda i: kernels.quantize_fp8(x), 1),
+        "scaled_mm": time_ms(scaled_mm, len(fp8)),
+        "quantize_and_scaled_mm": time_ms(layer, len(fp8)),
+    }
+    errors = {"scaled_mm": relative_error(scaled_mm(0), ref)}
+    tiles = []
+    for config in GEMM_CONFIGS:
+
+        def fn(i, c=config):
+            return kernels.fp8_rowwise_gemm(
+                xq, x_scale, fp8[i][0], fp8[i][1], torch.bfloat16, config=c
+            )
+
+        err = relative_error(fn(0), ref)
+        tiles.append({"config": dataclasses.asdict(config), "ms": time_ms(fn, len(fp8)),
+                      "max_rel_err": err})  # fmt: skip
+    return {"n": n, "k": k, "rows": m, "parts_ms": parts, "errors": errors, "triton": tiles}
+
+
+def gemv_winner(shapes: list[dict]) -> dict | None:
+    """The GemvConfig fastest over the projections together, correct on all."""
+    totals: dict[str, float] = {}
+    for shape in shapes:
+        for row in shape["rows"]:
+            key = json.dumps(row["config"], sort_keys=True)
+            good = row["max_rel_err"] < 2e-2
+            totals[key] = totals.get(key, 0.0) + (row["ms"] if good else float("inf"))
+    key = min(totals, key=totals.get, default=None)
+    if key is None or totals[key] == float("inf"):
+        return None
+    bf16 = sum(shape["bf16_gemv_ms"] for shape in shapes)
+    default = sum(shape["default"]["ms"] for shape in shapes)
+    return {"config": json.loads(key), "ms": totals[key], "default_ms": default,
+            "speedup_over_bf16_gemv": bf16 / totals[key]}  # fmt: skip
+
+
+def gemm_winner(cases: list[dict]) -> dict:
+    """Per row count, the tile fastest over the projections (correct on all) against the
+    layer's _scaled_mm; the winner is the tile fastest over every row count up to the most
+    rows at which the kernel wins at every count below it."""
+    per_rows = {}
+    for m in sorted({c["rows"] for c in cases}):
+        at = [c for c in cases if c["rows"] == m]
+        scaled = sum(c["parts_ms"]["scaled_mm"] for c in at)
+        totals = [
+            sum(c["triton"][i]["ms"] if c["triton"][i]["max_rel_err"] < 2e-2 else float("inf")
+                for c in at)
+            for i in range(len(GEMM_CONFIGS))
+        ]  # fmt: skip
+        per_rows[m] = {"scaled_mm_ms": scaled, "triton_ms": totals}
+    max_rows = 0
+    for m, row in per_rows.items():
+        if min(row["triton_ms"]) >= row["scaled_mm_ms"]:
+            break
+        max_rows = m
+    chosen = [row["triton_ms"] for m, row in per_rows.items() if m <= max_rows]
+    best = min(range(len(GEMM_CONFIGS)), key=lambda i: sum(t[i] for t in chosen)) if chosen else 0
+    config = dataclasses.replace(GEMM_CONFIGS[best], max_rows=max_rows)
+    return {"config": dataclasses.asdict(config), "per_rows": per_rows}
+
+
+def report_gemm(case: dict) -> None:
+    parts = case["parts_ms"]
+    best = min(case["triton"], key=lambda r: r["ms"])
+    print(f"{case['n']}x{case['k']} rows {case['rows']}: bf16 {parts['bf16_matmul'] * 1e3:.1f} us,"
+          f" fp8 layer {parts['quantize_and_scaled_mm'] * 1e3:.1f} (quantize "
+          f"{parts['quantize_fp8'] * 1e3:.1f}, _scaled_mm {parts['scaled_mm'] * 1e3:.1f}), "
+          f"triton best {best['ms'] * 1e3:.1f} {best['config']}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--parts", default="gemv,gemm")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gemv-winner", type=Path)
+    parser.add_argument("--gemm-winner", type=Path)
+    args = parser.parse_args()
+    copy_bps = copy_bandwidth(torch.device("cuda"))
+    result = {
+        "benchmark": "fp8_gemm_sweep",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "copy_bytes_per_s": copy_bps,
+    }
+    parts = args.parts.split(",")
+    if "gemv" in parts:
+        shapes = [sweep_gemv(n, k, copy_bps) for n, k in PROJECTIONS]
+        for shape in shapes:
+            for name in ("default", "best"):
+                row = shape[name]
+                print(f"gemv {shape['n']}x{shape['k']} {name}: {row['ms'] * 1e3:.1f} us (floor "
+                      f"{shape['floor_ms'] * 1e3:.1f}, bf16 {shape['bf16_gemv_ms'] * 1e3:.1f}), "
+                      f"{row['of_copy_bandwidth']:.0%} of copy {row['config']}")  # fmt: skip
+        result["gemv"] = {"shapes": shapes, "best_overall": gemv_winner(shapes)}
+        winner = result["gemv"]["best_overall"]
+        if winner:
+            print(f"gemv fastest over all four: {winner['ms'] * 1e3:.1f} us (default "
+                  f"{winner['default_ms'] * 1e3:.1f}), {winner['speedup_over_bf16_gemv']:.2f}x "
+                  f"bf16 gemv: {winner['config']}")  # fmt: skip
+            if args.gemv_winner:
+                args.gemv_winner.write_text(json.dumps(winner["config"]))
+    if "gemm" in parts:
+        cases = [sweep_gemm(n, k, m) for m in ROWS for n, k in PROJECTIONS]
+        for case in cases:
+            report_gemm(case)
+        result["gemm"] = {"cases": cases, "winner": gemm_winner(cases)}
+        print(f"gemm: {json.dumps(result['gemm']['winner'])}")
+        if args.gemm_winner:
+            args.gemm_winner.write_text(json.dumps(result["gemm"]["winner"]["config"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
