@@ -6,7 +6,7 @@ offline run meet them):
         4 rows a program) and over a sweep of GemvConfig, as weight bytes per second against
         the copy bandwidth, and bf16's kernels.gemv; the fastest over the four projections is
         written with --gemv-winner for ASYNCLLM_FP8_GEMV.
-  gemm  64-512 rows (the offline run's decode batches): where an FP8 layer's time goes,
+  gemm  128-512 rows (the offline run's decode batches): where an FP8 layer's time goes,
         per part: kernels.quantize_fp8 alone, torch._scaled_mm alone (row-wise scales),
         both (the layer as it runs), and kernels.fp8_rowwise_gemm over a sweep of tiles, against
         bf16's cuBLAS matmul. --gemm-winner writes the Fp8GemmConfig (with max_rows, the most
@@ -41,19 +41,21 @@ from bench.throughput import copy_bandwidth  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig  # noqa: E402
 from kernels.gemv_kernels import GemvConfig, choose_gemv_config  # noqa: E402
 
-ROWS = (64, 128, 256, 512)
+ROWS = (128, 256, 512)
+# around choose_gemv_config's 4 rows of e4m3 a program, 4096 of K a tile, 8 warps
 GEMV_CONFIGS = [
     GemvConfig(block_n=bn, block_k=bk, num_warps=w)
-    for bn in (2, 4, 8, 16)
-    for bk, w in ((2048, 4), (2048, 8), (4096, 8), (4096, 16))
-]
+    for bn, bk, w in (
+        (2, 4096, 8), (4, 4096, 8), (8, 4096, 8), (16, 4096, 16),
+        (4, 2048, 4), (8, 2048, 8), (4, 4096, 16), (8, 4096, 16),
+    )
+]  # fmt: skip
 # 64-row tiles fill the GPU at 256 rows of a 4096-wide output (4 x 32 = 128 programs) where
-# 128 x 128 makes 64; wider and narrower ones for the 28672-wide gate_up
+# 128 x 128 makes 64; a wider one for the 28672-wide gate_up
 GEMM_CONFIGS = [
     Fp8GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4),
     Fp8GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
     Fp8GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
-    Fp8GemmConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3),
     Fp8GemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=5),
 ]
 ROTATE_BYTES = 256 << 20

@@ -67,7 +67,7 @@ def time_ms(fn, copies: int) -> float:
     """fn(i) for each copy i of the weights, replayed in a CUDA graph as the engine's decode
     runs (no Python launch cost in it), per call."""
     return (
-        triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=20) / copies
+        triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=10) / copies
     )
 
 
