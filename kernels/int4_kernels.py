@@ -27,13 +27,16 @@ tensor-core dot.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import config_from_env, dot_precision, next_pow2, uses_pdl
+from kernels._common import dot_precision, next_pow2, uses_pdl
 
 # rows at or below which the GEMV kernel runs
 GEMV_MAX_ROWS = 4
@@ -106,10 +109,32 @@ class Int4GemvConfig:
     num_stages: int = 1
 
 
-# what int4_gemm runs below GEMV_MAX_ROWS rows (bench/int4_gemv_sweep.py prints the candidates;
-# ASYNCLLM_INT4_GEMV, the JSON of an Int4GemvConfig, overrides it)
+# What int4_gemm runs at one row: per (N, K) the settings a sweep found fastest
+# (bench/int4_gemv_sweep.py), GEMV_CONFIG for other shapes; ASYNCLLM_INT4_GEMV, the JSON
+# {"NxK": {Int4GemvConfig's fields}} the sweep writes, adds to and overrides the table. At 2-4
+# rows GEMV_ROWS_CONFIG: the one-row winners keep 16 words of W a thread in up to 212
+# registers, and a second to fourth row's accumulators spill them (ptxas for sm_90).
 GEMV_CONFIG = Int4GemvConfig()
-GEMV_CONFIG_ENV = "ASYNCLLM_INT4_GEMV"
+GEMV_BY_SHAPE: dict[tuple[int, int], Int4GemvConfig] = {}
+GEMV_ROWS_CONFIG = Int4GemvConfig()
+GEMV_BY_SHAPE_ENV = "ASYNCLLM_INT4_GEMV"
+
+
+@functools.lru_cache(maxsize=1)
+def gemv_by_shape() -> dict[tuple[int, int], Int4GemvConfig]:
+    """GEMV_BY_SHAPE with ASYNCLLM_INT4_GEMV's entries over it."""
+    table = dict(GEMV_BY_SHAPE)
+    for shape, fields in json.loads(os.environ.get(GEMV_BY_SHAPE_ENV) or "{}").items():
+        n, k = map(int, shape.split("x"))
+        table[n, k] = Int4GemvConfig(**fields)
+    return table
+
+
+def gemv_config_for(m: int, n: int, k: int) -> Int4GemvConfig:
+    """The GEMV's settings for x [m, k] @ W [k, n], m <= GEMV_MAX_ROWS."""
+    if m > 1:
+        return GEMV_ROWS_CONFIG
+    return gemv_by_shape().get((n, k), GEMV_CONFIG)
 
 
 @triton.jit
@@ -355,7 +380,7 @@ def int4_gemm(
         raise ValueError(f"int4_gemm: group_size must be a multiple of 8, got {group_size}")
     x = x.contiguous()
     if m <= GEMV_MAX_ROWS:
-        config = gemv_config or config_from_env(GEMV_CONFIG_ENV, GEMV_CONFIG)
+        config = gemv_config or gemv_config_for(m, n, k)
         return _gemv(x, qweight, scales, zeros, group_size, config)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # 64 x 128 tiles from 64 rows: 256 rows of a 4096-wide projection still make 128 programs

@@ -27,7 +27,18 @@ from asyncllm.layers.quantization.fp8 import (
 from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4
 from kernels._common import config_from_env
 from kernels.fp8_gemm import Fp8GemmConfig
-from kernels.int4_kernels import GEMV_MAX_ROWS, HALF_MAGIC_BITS, PAIR_MASK, Int4GemvConfig
+from kernels.gemv_kernels import GemvConfig, fp8_gemv_config
+from kernels.int4_kernels import (
+    GEMV_BY_SHAPE,
+    GEMV_CONFIG,
+    GEMV_MAX_ROWS,
+    GEMV_ROWS_CONFIG,
+    HALF_MAGIC_BITS,
+    PAIR_MASK,
+    Int4GemvConfig,
+    gemv_by_shape,
+    gemv_config_for,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -115,15 +126,25 @@ def test_int4_gemv_tiles_of_several_slices(m, k, n, group, config, dtype) -> Non
 
 
 def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
-    """A sweep's winner runs in the same session through the environment, else the default."""
-    name = "ASYNCLLM_TEST_INT4_GEMV"
+    """A sweep's winners run in the same session through the environment: the int4 GEMV's per
+    shape at one row (the 2-4 row settings stay), the FP8 GEMV's for every shape."""
     winner = Int4GemvConfig(block_n=8, block_r=4, slices=2, splits=1, num_warps=2)
-    monkeypatch.setenv(name, json.dumps(dataclasses.asdict(winner)))
+    monkeypatch.setenv("ASYNCLLM_INT4_GEMV", json.dumps({"4096x14336": dataclasses.asdict(winner)}))
+    fp8 = GemvConfig(block_n=8, block_k=2048, num_warps=4)
+    monkeypatch.setenv("ASYNCLLM_FP8_GEMV", json.dumps(dataclasses.asdict(fp8)))
+    gemv_by_shape.cache_clear()
     config_from_env.cache_clear()
-    assert config_from_env(name, Int4GemvConfig()) == winner
-    monkeypatch.delenv(name)
-    config_from_env.cache_clear()
-    assert config_from_env(name, Int4GemvConfig()) == Int4GemvConfig()
+    try:
+        assert gemv_config_for(1, 4096, 14336) == winner
+        assert gemv_config_for(1, 4096, 4096) == GEMV_CONFIG
+        assert gemv_config_for(3, 4096, 14336) == GEMV_ROWS_CONFIG
+        assert fp8_gemv_config(4096, 4096) == fp8
+    finally:
+        monkeypatch.delenv("ASYNCLLM_INT4_GEMV")
+        monkeypatch.delenv("ASYNCLLM_FP8_GEMV")
+        gemv_by_shape.cache_clear()
+        config_from_env.cache_clear()
+    assert gemv_config_for(1, 4096, 14336) == GEMV_BY_SHAPE.get((4096, 14336), GEMV_CONFIG)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
