@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import kernels  # noqa: E402
 from asyncllm.layers.quantization.fp8 import quantize_per_row  # noqa: E402
-from bench.int4_gemv_sweep import PROJECTIONS, time_ms  # noqa: E402
+from bench.int4_gemv_sweep import PROJECTIONS, run_header, time_ms  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig  # noqa: E402
 from kernels.gemv_kernels import GemvConfig, choose_gemv_config  # noqa: E402
@@ -210,18 +207,7 @@ def main() -> None:
     parser.add_argument("--gemm-winner", type=Path)
     args = parser.parse_args()
     copy_bps = copy_bandwidth(torch.device("cuda"))
-    result = {
-        "benchmark": "fp8_gemm_sweep",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "device": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "python": platform.python_version(),
-        },  # fmt: skip
-        "copy_bytes_per_s": copy_bps,
-    }
+    result = run_header("fp8_gemm_sweep", copy_bps)
     parts = args.parts.split(",")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if "gemv" in parts:

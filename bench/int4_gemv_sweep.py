@@ -140,20 +140,27 @@ def report_shape(shape: dict) -> None:
         print(f"{n}x{k}: {len(shape['wrong'])} configs WRONG, e.g. {shape['wrong'][0]}")
 
 
-def write_results(args: argparse.Namespace, copy_bps: float, shapes: list[dict]) -> dict:
-    """The result file and the per-shape winners of the shapes swept so far (rewritten after
-    each shape, so a run cut short keeps them)."""
-    result = {
-        "benchmark": "int4_gemv_sweep",
+def run_header(benchmark: str, copy_bps: float) -> dict:
+    """What a GPU sweep's result file records of its run."""
+    return {
+        "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python"] + sys.argv),
+        "command": " ".join(["python", *sys.argv]),
         "device": torch.cuda.get_device_name(),
         "versions": {
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
-        },  # fmt: skip
+        },
         "copy_bytes_per_s": copy_bps,
+    }
+
+
+def write_results(args: argparse.Namespace, copy_bps: float, shapes: list[dict]) -> dict:
+    """The result file and the per-shape winners of the shapes swept so far (rewritten after
+    each shape, so a run cut short keeps them)."""
+    result = {
+        **run_header("int4_gemv_sweep", copy_bps),
         "group_size": GROUP,
         "best_overall": best_overall(shapes),
         "best_by_shape": {f"{s['n']}x{s['k']}": s["best"]["config"] for s in shapes if s["best"]},
