@@ -10,8 +10,8 @@ offline run meet them):
         per part: kernels.quantize_fp8 alone, torch._scaled_mm alone (row-wise scales),
         both (the layer as it runs), and kernels.fp8_rowwise_gemm over a sweep of tiles, against
         bf16's cuBLAS matmul. --gemm-winner writes the Fp8GemmConfig (with max_rows, the most
-        rows at which the fastest tile beats _scaled_mm over the four projections together) for
-        ASYNCLLM_FP8_GEMM; max_rows 0 when it never does.
+        rows up to which a tile beats _scaled_mm at every row count swept) for
+        ASYNCLLM_FP8_GEMM, per projection; a projection where it never wins stays on _scaled_mm.
 
 Every output is checked against the dequantized operands.
 
@@ -163,29 +163,24 @@ def gemv_winner(shapes: list[dict]) -> dict | None:
             "speedup_over_bf16_gemv": bf16 / totals[key]}  # fmt: skip
 
 
-def gemm_winner(cases: list[dict]) -> dict:
-    """Per row count, the tile fastest over the projections (correct on all) against the
-    layer's _scaled_mm; the winner is the tile fastest over every row count up to the most
-    rows at which the kernel wins at every count below it."""
-    per_rows = {}
-    for m in sorted({c["rows"] for c in cases}):
-        at = [c for c in cases if c["rows"] == m]
-        scaled = sum(c["parts_ms"]["scaled_mm"] for c in at)
-        totals = [
-            sum(c["triton"][i]["ms"] if c["triton"][i]["max_rel_err"] < 2e-2 else float("inf")
-                for c in at)
-            for i in range(len(GEMM_CONFIGS))
-        ]  # fmt: skip
-        per_rows[m] = {"scaled_mm_ms": scaled, "triton_ms": totals}
-    max_rows = 0
-    for m, row in per_rows.items():
-        if min(row["triton_ms"]) >= row["scaled_mm_ms"]:
-            break
-        max_rows = m
-    chosen = [row["triton_ms"] for m, row in per_rows.items() if m <= max_rows]
-    best = min(range(len(GEMM_CONFIGS)), key=lambda i: sum(t[i] for t in chosen)) if chosen else 0
-    config = dataclasses.replace(GEMM_CONFIGS[best], max_rows=max_rows)
-    return {"config": dataclasses.asdict(config), "per_rows": per_rows}
+def gemm_winners(cases: list[dict]) -> dict[str, dict]:
+    """Per projection {"NxK": Fp8GemmConfig's fields}: the most rows up to which some tile
+    beats the layer's _scaled_mm at every row count swept, and the tile fastest over those;
+    shapes where no tile wins at the fewest rows are left to _scaled_mm."""
+    winners = {}
+    for n, k in sorted({(c["n"], c["k"]) for c in cases}):
+        at = sorted((c for c in cases if (c["n"], c["k"]) == (n, k)), key=lambda c: c["rows"])
+        won = []
+        for case in at:
+            times = [t["ms"] if t["max_rel_err"] < 2e-2 else float("inf") for t in case["triton"]]
+            if min(times) >= case["parts_ms"]["scaled_mm"]:
+                break
+            won.append((case["rows"], times))
+        if won:
+            best = min(range(len(GEMM_CONFIGS)), key=lambda i: sum(t[i] for _, t in won))
+            config = dataclasses.replace(GEMM_CONFIGS[best], max_rows=won[-1][0])
+            winners[f"{n}x{k}"] = dataclasses.asdict(config)
+    return winners
 
 
 def report_gemm(case: dict) -> None:
@@ -233,11 +228,11 @@ def main() -> None:
             for n, k in PROJECTIONS:
                 cases.append(sweep_gemm(n, k, m))
                 report_gemm(cases[-1])
-            result["gemm"] = {"cases": cases, "winner": gemm_winner(cases)}
+            result["gemm"] = {"cases": cases, "winners": gemm_winners(cases)}
             args.out.write_text(json.dumps(result, indent=1))
             if args.gemm_winner:
-                args.gemm_winner.write_text(json.dumps(result["gemm"]["winner"]["config"]))
-        print(f"gemm: {json.dumps(result['gemm']['winner'])}")
+                args.gemm_winner.write_text(json.dumps(result["gemm"]["winners"]))
+        print(f"gemm: {json.dumps(result['gemm']['winners'])}")
 
 
 if __name__ == "__main__":

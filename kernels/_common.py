@@ -55,5 +55,19 @@ def config_from_env(name: str, default: Config) -> Config:
     return type(default)(**json.loads(value)) if value else default
 
 
+@functools.lru_cache(maxsize=8)
+def configs_by_shape(
+    name: str, table: tuple[tuple[tuple[int, int], Config], ...], kind: type[Config]
+) -> dict[tuple[int, int], Config]:
+    """{(N, K): settings}: table's entries, and over them those of the JSON object
+    {"NxK": {kind's fields}} in the environment variable `name` (a sweep's winners per
+    shape, tried in the same run)."""
+    configs = dict(table)
+    for shape, fields in json.loads(os.environ.get(name) or "{}").items():
+        n, k = map(int, shape.split("x"))
+        configs[n, k] = kind(**fields)
+    return configs
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()

@@ -16,14 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import config_from_env, next_pow2
+from kernels._common import configs_by_shape, next_pow2
 
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """Tiles and launch settings of the FP8 GEMM; max_rows: the rows up to which the
-    per-channel FP8 layer runs fp8_rowwise_gemm instead of torch._scaled_mm (0: never, until a
-    sweep on the GPU shows where it wins)."""
+    per-channel FP8 layer runs fp8_rowwise_gemm instead of torch._scaled_mm (ROWWISE_BY_SHAPE's
+    entries)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -33,10 +33,11 @@ class Fp8GemmConfig:
     max_rows: int = 0
 
 
-# the block GEMM's settings; ASYNCLLM_FP8_GEMM (the JSON of an Fp8GemmConfig) sets the rowwise
-# path's (kernels._common.config_from_env)
-ROWWISE_CONFIG = Fp8GemmConfig()
-ROWWISE_CONFIG_ENV = "ASYNCLLM_FP8_GEMM"
+# The row-wise path's settings per (N, K), where a sweep found it faster than torch._scaled_mm
+# (bench/fp8_gemm_sweep.py); ASYNCLLM_FP8_GEMM, the JSON {"NxK": {Fp8GemmConfig's fields}} the
+# sweep writes, adds to and overrides the table. Other shapes stay on _scaled_mm.
+ROWWISE_BY_SHAPE: dict[tuple[int, int], Fp8GemmConfig] = {}
+ROWWISE_BY_SHAPE_ENV = "ASYNCLLM_FP8_GEMM"
 
 
 @triton.jit
@@ -130,20 +131,22 @@ def fp8_rowwise_gemm(
 ) -> torch.Tensor:
     """xq [M, K] @ wq [N, K]^T * x_scale [M, 1] * w_scale [N] (any shape of N values), the
     running sum promoted to fp32 once a K tile (DeepSeek-V3's 128)."""
-    config = config or rowwise_config()
+    config = config or rowwise_config(wq.shape[0], wq.shape[1]) or Fp8GemmConfig()
     xq, wq = xq.contiguous(), wq.contiguous()
     x_scale, w_scale = x_scale.reshape(-1).float(), w_scale.reshape(-1).float()
     block = (1, max(next_pow2(xq.shape[1]), config.block_k))
     return _launch(xq, x_scale, wq, w_scale, block, out_dtype, config, config.block_k, True)
 
 
-def rowwise_config() -> Fp8GemmConfig:
-    return config_from_env(ROWWISE_CONFIG_ENV, ROWWISE_CONFIG)
+def rowwise_config(n: int, k: int) -> Fp8GemmConfig | None:
+    table = tuple(ROWWISE_BY_SHAPE.items())
+    return configs_by_shape(ROWWISE_BY_SHAPE_ENV, table, Fp8GemmConfig).get((n, k))
 
 
-def fp8_rowwise_wins(rows: int) -> bool:
-    """Whether the per-channel FP8 layer takes fp8_rowwise_gemm at this many rows."""
-    return rows <= rowwise_config().max_rows
+def fp8_rowwise_wins(rows: int, n: int, k: int) -> bool:
+    """Whether the per-channel FP8 layer takes fp8_rowwise_gemm for x [rows, k] @ W [n, k]^T."""
+    config = rowwise_config(n, k)
+    return config is not None and rows <= config.max_rows
 
 
 def _launch(

@@ -29,16 +29,13 @@ tensor-core dot.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, next_pow2, uses_pdl
+from kernels._common import configs_by_shape, dot_precision, next_pow2, uses_pdl
 
 # rows at or below which the GEMV kernel runs
 GEMV_MAX_ROWS = 4
@@ -122,21 +119,12 @@ GEMV_ROWS_CONFIG = Int4GemvConfig()
 GEMV_BY_SHAPE_ENV = "ASYNCLLM_INT4_GEMV"
 
 
-@functools.lru_cache(maxsize=1)
-def gemv_by_shape() -> dict[tuple[int, int], Int4GemvConfig]:
-    """GEMV_BY_SHAPE with ASYNCLLM_INT4_GEMV's entries over it."""
-    table = dict(GEMV_BY_SHAPE)
-    for shape, fields in json.loads(os.environ.get(GEMV_BY_SHAPE_ENV) or "{}").items():
-        n, k = map(int, shape.split("x"))
-        table[n, k] = Int4GemvConfig(**fields)
-    return table
-
-
 def gemv_config_for(m: int, n: int, k: int) -> Int4GemvConfig:
     """The GEMV's settings for x [m, k] @ W [k, n], m <= GEMV_MAX_ROWS."""
     if m > 1:
         return GEMV_ROWS_CONFIG
-    return gemv_by_shape().get((n, k), GEMV_CONFIG)
+    table = configs_by_shape(GEMV_BY_SHAPE_ENV, tuple(GEMV_BY_SHAPE.items()), Int4GemvConfig)
+    return table.get((n, k), GEMV_CONFIG)
 
 
 @triton.jit

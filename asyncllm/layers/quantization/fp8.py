@@ -168,7 +168,7 @@ class Fp8LinearMethod(LinearMethodBase):
             return kernels.gemv(x, layer.weight, None, scale=layer.weight_scale)
         static_scale = None if self.scheme.dynamic_activations else layer.input_scale
         xq, x_scale = quantize_activations(x, static_scale=static_scale)
-        if x.is_cuda and kernels.fp8_rowwise_wins(x.shape[0]):
+        if x.is_cuda and kernels.fp8_rowwise_wins(x.shape[0], *layer.weight.shape):
             return kernels.fp8_rowwise_gemm(xq, x_scale, layer.weight, layer.weight_scale, x.dtype)
         if x.is_cuda and _scaled_mm_fits(x, layer.weight):
             return torch._scaled_mm(
