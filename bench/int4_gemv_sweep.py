@@ -37,8 +37,8 @@ GROUP = 128
 # parts, 18-52% of the copy bandwidth), and what should beat it: K unsplit (one launch instead
 # of a zero-fill, the kernel and a cast, about 2 us each in a graph against floors of 2-15 us)
 # with 2-4 tiles loading ahead of the one summed, so a program keeps 12-20 KB of W in flight.
-# 8 words of W a thread (ptxas for sm_90: 79-96 registers, 29-33 instructions a word, none
-# spilled); 4 words cost 38. 4096 outputs make 256 programs of 16 columns, 64 of 64
+# 8 words of W a thread (ptxas for sm_90: 72-96 registers, 27-31 instructions a word, none
+# spilled); 4 words cost 34. 4096 outputs make 256 programs of 16 columns, 64 of 64
 CONFIGS = [
     Int4GemvConfig(block_n=32, block_r=16, splits=4, num_warps=2),
     Int4GemvConfig(block_n=64, block_r=16, depth=2, splits=4, num_warps=4),

@@ -224,15 +224,19 @@ def _half_dot(d0, d1, d2, d3, x0, x1, x2, x3, HALF: tl.constexpr):
 
 
 @triton.jit
-def _row_dot(x_ptr, row, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN):
+def _row_dot(x_ptr, row: tl.constexpr, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN):
     """[BLOCK_R, BLOCK_N]: row `row` of x's sum over each word of packed (packed rows r,
     [BLOCK_R, 1]) of x times q - zero: from the words' (q - z) pairs d when HALF (x_ptr is x as
     int32 pairs), else in fp32 from packed (d unused). EVEN: every word valid, only the row may
     be past M."""
+    k = r * 8
+    if HALF != NO_HALF and EVEN and row == 0:  # x's first row always exists: no mask, no fill
+        pairs = x_ptr + r * 4
+        x0, x1 = tl.load(pairs), tl.load(pairs + 1)
+        return _half_dot(d0, d1, d2, d3, x0, x1, tl.load(pairs + 2), tl.load(pairs + 3), HALF)
     mask = r * 0 + row < M
     if not EVEN:
         mask = mask & r_mask
-    k = r * 8
     if HALF != NO_HALF:
         pairs = x_ptr + row * (K // 2) + r * 4
         x0 = tl.load(pairs, mask=mask if EVEN else mask & (k < K), other=0)
@@ -252,10 +256,11 @@ def _row_dot(x_ptr, row, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EV
 @triton.jit
 def _w_tile(w_ptr, offsets, first, r_end, rs, N, col_mask, EVEN):
     """The tile of W's packed rows first + rs ([BLOCK_R, 1]) before r_end, offsets [row, col]
-    from its first word."""
-    mask = first + rs < r_end
-    if not EVEN:
-        mask = mask & col_mask
+    from its first word. EVEN: whole tiles; a tile past the split's end would be masked, so the
+    callers ask for its last one again instead (from L2), and nothing is masked."""
+    if EVEN:
+        return tl.load(w_ptr + tl.minimum(first, r_end - rs.shape[0]) * N + offsets)
+    mask = (first + rs < r_end) & col_mask
     return tl.load(w_ptr + first * N + offsets, mask=mask, other=0)
 
 
