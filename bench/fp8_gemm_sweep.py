@@ -4,8 +4,8 @@ offline run meet them):
 
   gemv  one row (batch-1 decode): kernels.gemv over e4m3 as it runs (choose_gemv_config's
         4 rows a program) and over a sweep of GemvConfig, as weight bytes per second against
-        the copy bandwidth, and bf16's kernels.gemv; the fastest over the four projections is
-        written with --gemv-winner for ASYNCLLM_FP8_GEMV.
+        the copy bandwidth, and bf16's kernels.gemv; the fastest per projection is written
+        with --gemv-winner for ASYNCLLM_FP8_GEMV.
   gemm  128-512 rows (the offline run's decode batches): where an FP8 layer's time goes,
         per part: kernels.quantize_fp8 alone, torch._scaled_mm alone (row-wise scales),
         both (the layer as it runs), and kernels.fp8_rowwise_gemm over a sweep of tiles, against
@@ -213,14 +213,17 @@ def main() -> None:
                 print(f"gemv {shape['n']}x{shape['k']} {name}: {row['ms'] * 1e3:.1f} us (floor "
                       f"{shape['floor_ms'] * 1e3:.1f}, bf16 {shape['bf16_gemv_ms'] * 1e3:.1f}), "
                       f"{row['of_copy_bandwidth']:.0%} of copy {row['config']}")  # fmt: skip
-        result["gemv"] = {"shapes": shapes, "best_overall": gemv_winner(shapes)}
+        by_shape = {f"{s['n']}x{s['k']}": s["best"]["config"] for s in shapes if s["best"]}
+        result["gemv"] = {"shapes": shapes, "best_overall": gemv_winner(shapes),
+                          "best_by_shape": by_shape}  # fmt: skip
         winner = result["gemv"]["best_overall"]
         if winner:
             print(f"gemv fastest over all four: {winner['ms'] * 1e3:.1f} us (default "
                   f"{winner['default_ms'] * 1e3:.1f}), {winner['speedup_over_bf16_gemv']:.2f}x "
                   f"bf16 gemv: {winner['config']}")  # fmt: skip
-            if args.gemv_winner:
-                args.gemv_winner.write_text(json.dumps(winner["config"]))
+        print(f"gemv FP8_GEMV_BY_SHAPE: {json.dumps(by_shape)}")
+        if args.gemv_winner:
+            args.gemv_winner.write_text(json.dumps(by_shape))
         args.out.write_text(json.dumps(result, indent=1))
     if "gemm" in parts:
         cases = []

@@ -46,15 +46,6 @@ def uses_pdl(device: torch.device) -> bool:
 Config = TypeVar("Config")
 
 
-@functools.lru_cache(maxsize=16)
-def config_from_env(name: str, default: Config) -> Config:
-    """default (a frozen dataclass of launch settings), or one of its type from the JSON object
-    in the environment variable `name`: a GPU sweep's winner tried in the same run, before it
-    becomes the default."""
-    value = os.environ.get(name)
-    return type(default)(**json.loads(value)) if value else default
-
-
 @functools.lru_cache(maxsize=8)
 def configs_by_shape(
     name: str, table: tuple[tuple[tuple[int, int], Config], ...], kind: type[Config]

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import config_from_env, next_pow2, uses_pdl
+from kernels._common import configs_by_shape, next_pow2, uses_pdl
 
 # what runs on x before the GEMM (constexpr, so the kernel may read them)
 NO_PROLOGUE = tl.constexpr(0)
@@ -35,9 +35,11 @@ class GemvConfig:
     num_warps: int = 4
 
 
-# the JSON of a GemvConfig that e4m3 weights take instead of choose_gemv_config's (a sweep's
-# winner, bench/fp8_gemm_sweep.py)
-FP8_GEMV_ENV = "ASYNCLLM_FP8_GEMV"
+# e4m3 weights' settings per (N, K) where a sweep found better than choose_gemv_config's
+# (bench/fp8_gemm_sweep.py); ASYNCLLM_FP8_GEMV, the JSON {"NxK": {GemvConfig's fields}} the
+# sweep writes, adds to and overrides the table
+FP8_GEMV_BY_SHAPE: dict[tuple[int, int], GemvConfig] = {}
+FP8_GEMV_BY_SHAPE_ENV = "ASYNCLLM_FP8_GEMV"
 
 
 @triton.jit
@@ -149,9 +151,10 @@ def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
 
 
 def fp8_gemv_config(n: int, k: int) -> GemvConfig:
-    """e4m3 rows are half as long in bytes: four of them give a program bf16's two rows' bytes
-    (ASYNCLLM_FP8_GEMV overrides)."""
-    return config_from_env(FP8_GEMV_ENV, choose_gemv_config(n, k, block_n=4))
+    """FP8_GEMV_BY_SHAPE's, else four e4m3 rows a program (half as long in bytes, they give a
+    program bf16's two rows' bytes)."""
+    table = configs_by_shape(FP8_GEMV_BY_SHAPE_ENV, tuple(FP8_GEMV_BY_SHAPE.items()), GemvConfig)
+    return table.get((n, k)) or choose_gemv_config(n, k, block_n=4)
 
 
 def _launch(

@@ -25,9 +25,9 @@ from asyncllm.layers.quantization.fp8 import (
     quantize_with_scale,
 )
 from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4
-from kernels._common import config_from_env, configs_by_shape
+from kernels._common import configs_by_shape
 from kernels.fp8_gemm import ROWWISE_BY_SHAPE, Fp8GemmConfig
-from kernels.gemv_kernels import GemvConfig, fp8_gemv_config
+from kernels.gemv_kernels import GemvConfig, choose_gemv_config, fp8_gemv_config
 from kernels.int4_kernels import (
     GEMV_BY_SHAPE,
     GEMV_CONFIG,
@@ -124,22 +124,22 @@ def test_int4_gemv_tiles_loaded_ahead(m, k, n, group, config, dtype) -> None:
 
 
 def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
-    """A sweep's winners run in the same session through the environment: the int4 GEMV's per
-    shape at one row (the 2-4 row settings stay), the FP8 GEMV's for every shape, the row-wise
-    FP8 GEMM per shape up to its rows."""
+    """A sweep's winners per projection shape run in the same session through the environment:
+    the int4 GEMV's at one row (the 2-4 row settings stay), the FP8 GEMV's, the row-wise FP8
+    GEMM's up to its rows."""
     winner = Int4GemvConfig(block_n=8, block_r=4, depth=2, splits=1, num_warps=2)
     monkeypatch.setenv("ASYNCLLM_INT4_GEMV", json.dumps({"4096x14336": dataclasses.asdict(winner)}))
     fp8 = GemvConfig(block_n=8, block_k=2048, num_warps=4)
-    monkeypatch.setenv("ASYNCLLM_FP8_GEMV", json.dumps(dataclasses.asdict(fp8)))
+    monkeypatch.setenv("ASYNCLLM_FP8_GEMV", json.dumps({"4096x4096": dataclasses.asdict(fp8)}))
     tiles = Fp8GemmConfig(block_m=64, block_n=64, max_rows=256)
     monkeypatch.setenv("ASYNCLLM_FP8_GEMM", json.dumps({"4096x4096": dataclasses.asdict(tiles)}))
     configs_by_shape.cache_clear()
-    config_from_env.cache_clear()
     try:
         assert gemv_config_for(1, 4096, 14336) == winner
         assert gemv_config_for(1, 4096, 4096) == GEMV_CONFIG
         assert gemv_config_for(3, 4096, 14336) == GEMV_ROWS_CONFIG
         assert fp8_gemv_config(4096, 4096) == fp8
+        assert fp8_gemv_config(6144, 4096) == choose_gemv_config(6144, 4096, block_n=4)
         assert kernels.fp8_rowwise_wins(256, 4096, 4096)
         assert not kernels.fp8_rowwise_wins(257, 4096, 4096)
         assert not kernels.fp8_rowwise_wins(256, 6144, 4096)
@@ -147,7 +147,6 @@ def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
         for name in ("ASYNCLLM_INT4_GEMV", "ASYNCLLM_FP8_GEMV", "ASYNCLLM_FP8_GEMM"):
             monkeypatch.delenv(name)
         configs_by_shape.cache_clear()
-        config_from_env.cache_clear()
     assert gemv_config_for(1, 4096, 14336) == GEMV_BY_SHAPE.get((4096, 14336), GEMV_CONFIG)
 
 
