@@ -2,10 +2,10 @@
 same run, replayed in CUDA graphs with the weights rotated past the L2 (as decode and the
 offline run meet them):
 
-  gemv  one row (batch-1 decode): kernels.gemv over e4m3 as it runs (choose_gemv_config's
-        4 rows a program) and over a sweep of GemvConfig, as weight bytes per second against
-        the copy bandwidth, and bf16's kernels.gemv; the fastest per projection is written
-        with --gemv-winner for ASYNCLLM_FP8_GEMV.
+  gemv  one row (batch-1 decode): kernels.gemv over e4m3 as it runs (FP8_GEMV_BY_SHAPE,
+        else choose_gemv_config's 4 rows a program) and over a sweep of GemvConfig, as weight
+        bytes per second against the copy bandwidth, and bf16's kernels.gemv; the fastest per
+        projection is written with --gemv-winner for ASYNCLLM_FP8_GEMV.
   gemm  128-512 rows (the offline run's decode batches): where an FP8 layer's time goes,
         per part: kernels.quantize_fp8 alone, torch._scaled_mm alone (row-wise scales),
         both (the layer as it runs), and kernels.fp8_rowwise_gemm over a sweep of tiles, against
@@ -36,7 +36,7 @@ from asyncllm.layers.quantization.fp8 import quantize_per_row  # noqa: E402
 from bench.int4_gemv_sweep import PROJECTIONS, run_header, time_ms  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig  # noqa: E402
-from kernels.gemv_kernels import GemvConfig, choose_gemv_config  # noqa: E402
+from kernels.gemv_kernels import FP8_GEMV_BY_SHAPE, GemvConfig, choose_gemv_config  # noqa: E402
 
 ROWS = (128, 256, 512)
 # around choose_gemv_config's 4 rows of e4m3 a program, 4096 of K a tile, 8 warps
@@ -82,7 +82,7 @@ def sweep_gemv(n: int, k: int, copy_bps: float) -> dict:
     fp8 = copies_of((wq, w_scale))
     w16 = copies_of((w,))
     bf16_ms = time_ms(lambda i: kernels.gemv(x, w16[i][0]), len(w16))
-    default = choose_gemv_config(n, k, block_n=4)
+    default = FP8_GEMV_BY_SHAPE.get((n, k)) or choose_gemv_config(n, k, block_n=4)
     rows = []
     for config in [default, *(c for c in GEMV_CONFIGS if c != default)]:
 
