@@ -39,12 +39,14 @@ from kernels.fp8_gemm import Fp8GemmConfig  # noqa: E402
 from kernels.gemv_kernels import FP8_GEMV_BY_SHAPE, GemvConfig, choose_gemv_config  # noqa: E402
 
 ROWS = (128, 256, 512)
-# around choose_gemv_config's 4 rows of e4m3 a program, 4096 of K a tile, 8 warps
+# around choose_gemv_config's 4 rows of e4m3 a program, 4096 of K a tile, 8 warps; and programs
+# taking row blocks in turn (x read once, the next block loading), 1-3 a SM (95 registers at 4
+# rows of 4096, 169 at 8, 219 at 2 of 16384 for the 14336-wide down_proj; ptxas for sm_90)
 GEMV_CONFIGS = [
-    GemvConfig(block_n=bn, block_k=bk, num_warps=w)
-    for bn, bk, w in (
-        (2, 4096, 8), (4, 4096, 8), (8, 4096, 8), (16, 4096, 16),
-        (4, 2048, 4), (8, 2048, 8), (4, 4096, 16), (8, 4096, 16),
+    GemvConfig(block_n=bn, block_k=bk, num_warps=w, programs_per_sm=p)
+    for bn, bk, w, p in (
+        (2, 4096, 8, 0), (4, 4096, 8, 0), (8, 4096, 8, 0), (4, 2048, 4, 0), (8, 4096, 16, 0),
+        (4, 4096, 8, 2), (2, 4096, 8, 3), (8, 4096, 8, 1), (2, 16384, 8, 1),
     )
 ]  # fmt: skip
 # 64-row tiles fill the GPU at 256 rows of a 4096-wide output (4 x 32 = 128 programs) where

@@ -25,7 +25,7 @@ from asyncllm.layers.quantization.fp8 import (
     quantize_with_scale,
 )
 from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4
-from kernels._common import configs_by_shape
+from kernels._common import configs_by_shape, next_pow2
 from kernels.fp8_gemm import ROWWISE_BY_SHAPE, Fp8GemmConfig
 from kernels.gemv_kernels import GemvConfig, choose_gemv_config, fp8_gemv_config
 from kernels.int4_kernels import (
@@ -288,16 +288,23 @@ def test_int4_gemm_bf16_on_a_llama_8b_projection(m: int) -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(17, 96), (1000, 1000), (33, 5000)])
-def test_gemv_reads_fp8_weights(n: int, k: int) -> None:
+@pytest.mark.parametrize("programs_per_sm", [0, 2])
+def test_gemv_reads_fp8_weights(n: int, k: int, programs_per_sm: int) -> None:
     """The FP8 layers' batch-1 path: one row of 16/32-bit x against e4m3 W (four rows of W a
-    program, N off that), each column scaled in the kernel."""
+    program, N off that, or programs taking row blocks in turn), each column scaled in the
+    kernel."""
     gen = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
     x = (torch.randn(1, k, generator=gen) * k**-0.5).to(DEVICE)
     scale = (torch.rand(1, n, generator=gen) + 0.5).to(DEVICE)
-    torch.testing.assert_close(kernels.gemv(x, w, None), x @ w.float().t(), rtol=1e-4, atol=1e-4)
+    # the default settings, or programs taking row blocks in turn over K in one tile
+    config = None
+    if programs_per_sm:
+        config = GemvConfig(4, next_pow2(k), programs_per_sm=programs_per_sm)
+    unscaled = kernels.gemv(x, w, None, config)
+    torch.testing.assert_close(unscaled, x @ w.float().t(), rtol=1e-4, atol=1e-4)
     expected = (x @ w.float().t()) * scale
-    out = kernels.gemv(x, w, None, scale=scale)
+    out = kernels.gemv(x, w, None, config, scale=scale)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
