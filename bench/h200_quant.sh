@@ -2,7 +2,8 @@
 # Issue 23's H200 figures in one call of at most 300 s (each part under its own timeout, one
 # failing part never stops the next):
 #   1. the GPU tests of the kernels and layers this work touched (the int4 GEMV's tiles loaded
-#      ahead in bf16, the FP8 GEMV, the row-wise FP8 GEMM, the layers on CUDA)   <= 40 s
+#      ahead in bf16, the FP8 GEMV and its programs over row blocks, the bf16 GEMV, the
+#      row-wise FP8 GEMM, the layers on CUDA)                          <= 40 s
 #   2. the int4 GEMV sweep at one row (bench/int4_gemv_sweep.py)      <= 45 s
 #   3. the FP8 sweeps: GEMV at one row, GEMM at 128-512 rows with where its time goes
 #      (bench/fp8_gemm_sweep.py)                                     <= 55 s
@@ -23,8 +24,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 
 # four workers: the kernels' compiles (about 30 of them) are most of the time
 timeout 40 python3 -m pytest -rf -q -p no:cacheprovider -n 4 tests/test_quant_kernels.py \
-  tests/test_quant_layers.py -k "loaded_ahead or bf16_pairs or rowwise or reads_fp8 \
-  or llama_8b or environment or cuda_fp8_and_int4" > "$out/gpu_tests_quant_h200.txt" 2>&1
+  tests/test_quant_layers.py tests/test_kernels_gemv.py -k "loaded_ahead or bf16_pairs \
+  or rowwise or reads_fp8 or llama_8b or environment or cuda_fp8_and_int4 or in_turn \
+  or model_shapes_in_bf16" > "$out/gpu_tests_quant_h200.txt" 2>&1
 echo "tests (rc $?, $((SECONDS - start)) s): $(tail -1 "$out/gpu_tests_quant_h200.txt")"
 
 timeout 45 python3 bench/int4_gemv_sweep.py --out "$out/int4_gemv_sweep_h200.json" \
