@@ -38,7 +38,7 @@ timeout 55 python3 bench/fp8_gemm_sweep.py --out "$out/fp8_gemm_sweep_h200.json"
   --gemv-winner "$out/fp8_gemv_winner.json" --gemm-winner "$out/fp8_gemm_winner.json" \
   > "$out/fp8_gemm_sweep_h200.txt" 2>&1
 echo "fp8 sweep (rc $?, $((SECONDS - start)) s):"
-grep -E "fastest|^gemm:" "$out/fp8_gemm_sweep_h200.txt" | cut -c1-300
+grep -E "fastest|BY_SHAPE|^gemm:" "$out/fp8_gemm_sweep_h200.txt" | cut -c1-400
 
 # the winners of what each sweep got through (each rewrites its file as it goes); else defaults
 [ -s "$out/int4_gemv_winner.json" ] && export ASYNCLLM_INT4_GEMV=$(cat "$out/int4_gemv_winner.json")
