@@ -5,7 +5,9 @@ is one launch: nothing, RMSNorm (with the residual add), or SiLU-and-mul (asyncl
 only short rows, see FUSED_MAX_ROW in asyncllm/layers/linear.py). x is a single row of a
 few KB, so every program recomputes f on the slice of it that it needs, from L2, next to its
 slice of W. Each program owns two rows of W and reads them whole along K: even 1024-row weights
-give every SM a few programs, so K is never split.
+give every SM a few programs, so K is never split. With GemvConfig.programs_per_sm (K in one
+tile, no f) a few programs a SM take the row blocks in turn instead, reading x once and
+loading the next block's W while they sum one (e4m3 weights' sweep, bench/fp8_gemm_sweep.py).
 
 On Hopper the kernels launch with programmatic dependent launch: a GEMV starts while the kernel
 before it finishes, loads its first tile of W (which no kernel writes), and only then waits
