@@ -1,9 +1,12 @@
 """The 4-bit GEMV at one row on the Llama-3.1-8B projections: kernels.int4_gemm as it runs
-(GEMV_CONFIG) and over a sweep of its launch settings (Int4GemvConfig: tile columns, packed rows
-a tile, warps, K splits), each as weight bytes read per second against the copy bandwidth of
-the same run and against bf16's kernels.gemv. Every output is checked against the dequantized
-weights. The last lines printed name the settings fastest over all four projections together:
-GEMV_CONFIG in kernels/int4_kernels.py is the one-line change that adopts them.
+(its settings for the shape, GEMV_BY_SHAPE or GEMV_CONFIG) and over a sweep of its launch
+settings (Int4GemvConfig: tile columns, packed rows a tile, tiles loading ahead, warps, K splits),
+each as weight bytes read per second against the copy bandwidth of the same run and against
+bf16's kernels.gemv. Every output is checked against the dequantized weights. The lines
+printed name the fastest settings per projection (the entries of GEMV_BY_SHAPE in
+kernels/int4_kernels.py that adopt them; `--winner FILE` writes them as the JSON of
+ASYNCLLM_INT4_GEMV, which a decode run of the same session takes) and over all four together
+(GEMV_CONFIG, for other shapes).
 
     python bench/int4_gemv_sweep.py --out bench/results/int4_gemv_sweep_h200.json
 """
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import platform
 import sys
@@ -27,14 +29,29 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 import kernels  # noqa: E402
 from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
-from kernels.int4_kernels import GEMV_CONFIG, Int4GemvConfig  # noqa: E402
+from kernels.int4_kernels import GEMV_BY_SHAPE, GEMV_CONFIG, Int4GemvConfig  # noqa: E402
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 GROUP = 128
+# The last sweep's best (int4_gemv_sweep_h200.json: 64 or 32 columns, 16 packed rows, K in 4
+# parts, 18-52% of the copy bandwidth), and what should beat it: K unsplit (one launch instead
+# of a zero-fill, the kernel and a cast, about 2 us each in a graph against floors of 2-15 us)
+# with 2-4 tiles loading ahead of the one summed, so a program keeps 12-20 KB of W in flight.
+# 8 words of W a thread (ptxas for sm_90: 72-96 registers, 27-31 instructions a word, none
+# spilled); 4 words cost 34. 4096 outputs make 256 programs of 16 columns, 64 of 64
 CONFIGS = [
-    Int4GemvConfig(block_n=bn, block_r=br, splits=sp, num_warps=w, num_stages=1)
-    for bn, br, w, sp in itertools.product((32, 64, 128), (8, 16), (1, 2, 4), (1, 2, 4))
-]
+    Int4GemvConfig(block_n=32, block_r=16, splits=4, num_warps=2),
+    Int4GemvConfig(block_n=64, block_r=16, depth=2, splits=4, num_warps=4),
+    *(
+        Int4GemvConfig(block_n=bn, block_r=16, depth=d, splits=1, num_warps=w)
+        for bn, d, w in (
+            (16, 2, 1), (16, 4, 1), (16, 4, 2), (32, 2, 2), (32, 4, 2), (32, 4, 4),
+            (64, 2, 4), (64, 4, 4), (128, 2, 8), (128, 4, 8),
+        )
+    ),
+    Int4GemvConfig(block_n=32, block_r=16, depth=2, splits=2, num_warps=2),
+    Int4GemvConfig(block_n=64, block_r=16, depth=2, splits=2, num_warps=4),
+]  # fmt: skip
 # weights rotated through copies of at least this many bytes, past the H200's 50 MB L2
 ROTATE_BYTES = 256 << 20
 
@@ -43,7 +60,7 @@ def time_ms(fn, copies: int) -> float:
     """fn(i) for each copy i of the weights, replayed in a CUDA graph as the engine's decode
     runs (no Python launch cost in it), per call."""
     return (
-        triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=20) / copies
+        triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=10) / copies
     )
 
 
@@ -63,8 +80,9 @@ def sweep_shape(n: int, k: int, copy_bps: float) -> dict:
     w16 = [w16.clone() for _ in range(-(-ROTATE_BYTES // (n * k * 2)))]
     bf16_ms = time_ms(lambda i: kernels.gemv(x, w16[i]), len(w16))
     rows = []
-    for config in [GEMV_CONFIG, *(c for c in CONFIGS if c != GEMV_CONFIG)]:
-        fields = {"config": config.__dict__, "default": config is GEMV_CONFIG}
+    default = GEMV_BY_SHAPE.get((n, k), GEMV_CONFIG)
+    for config in [default, *(c for c in CONFIGS if c != default)]:
+        fields = {"config": config.__dict__, "default": config is default}
 
         def fn(i, c=config):
             return kernels.int4_gemm(x, *int4[i], GROUP, gemv_config=c)
@@ -109,47 +127,70 @@ def best_overall(shapes: list[dict]) -> dict | None:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    copy_bps = copy_bandwidth(torch.device("cuda"))
-    shapes = []
-    for n, k in PROJECTIONS:
-        shape = sweep_shape(n, k, copy_bps)
-        shapes.append(shape)
-        for name in ("default", "best"):
-            row = shape[name]
-            if row and "ms" in row:
-                print(f"{n}x{k} {name}: {row['ms'] * 1e3:.1f} us (floor {shape['floor_ms'] * 1e3:.1f}, "
-                      f"bf16 {shape['bf16_gemv_ms'] * 1e3:.1f}), {row['of_copy_bandwidth']:.0%} of copy, "
-                      f"{row['speedup_over_bf16_gemv']:.2f}x bf16 gemv, err {row['max_rel_err']:.1e} "
-                      f"{row['config']}")  # fmt: skip
-        if shape["wrong"]:
-            print(f"{n}x{k}: {len(shape['wrong'])} configs WRONG, e.g. {shape['wrong'][0]}")
-    overall = best_overall(shapes)
-    result = {
-        "benchmark": "int4_gemv_sweep",
+def report_shape(shape: dict) -> None:
+    n, k = shape["n"], shape["k"]
+    for name in ("default", "best"):
+        row = shape[name]
+        if row and "ms" in row:
+            print(f"{n}x{k} {name}: {row['ms'] * 1e3:.1f} us (floor {shape['floor_ms'] * 1e3:.1f}, "
+                  f"bf16 {shape['bf16_gemv_ms'] * 1e3:.1f}), {row['of_copy_bandwidth']:.0%} of copy, "
+                  f"{row['speedup_over_bf16_gemv']:.2f}x bf16 gemv, err {row['max_rel_err']:.1e} "
+                  f"{row['config']}")  # fmt: skip
+    if shape["wrong"]:
+        print(f"{n}x{k}: {len(shape['wrong'])} configs WRONG, e.g. {shape['wrong'][0]}")
+
+
+def run_header(benchmark: str, copy_bps: float) -> dict:
+    """What a GPU sweep's result file records of its run."""
+    return {
+        "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python"] + sys.argv),
+        "command": " ".join(["python", *sys.argv]),
         "device": torch.cuda.get_device_name(),
         "versions": {
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
-        },  # fmt: skip
+        },
         "copy_bytes_per_s": copy_bps,
+    }
+
+
+def write_results(args: argparse.Namespace, copy_bps: float, shapes: list[dict]) -> dict:
+    """The result file and the per-shape winners of the shapes swept so far (rewritten after
+    each shape, so a run cut short keeps them)."""
+    result = {
+        **run_header("int4_gemv_sweep", copy_bps),
         "group_size": GROUP,
-        "best_overall": overall,
+        "best_overall": best_overall(shapes),
+        "best_by_shape": {f"{s['n']}x{s['k']}": s["best"]["config"] for s in shapes if s["best"]},
         "shapes": shapes,
     }
     args.out.write_text(json.dumps(result, indent=1))
+    if args.winner:
+        args.winner.write_text(json.dumps(result["best_by_shape"]))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--winner", type=Path, help="write the fastest settings per shape here")
+    args = parser.parse_args()
+    copy_bps = copy_bandwidth(torch.device("cuda"))
+    shapes = []
+    for n, k in PROJECTIONS:
+        shapes.append(sweep_shape(n, k, copy_bps))
+        report_shape(shapes[-1])
+        result = write_results(args, copy_bps, shapes)
+    overall = result["best_overall"]
     if overall:
         print(
             f"fastest over all four: {overall['ms'] * 1e3:.1f} us, "
             f"{overall['speedup_over_bf16_gemv']:.2f}x bf16 gemv"
         )
         print(f"GEMV_CONFIG = Int4GemvConfig(**{overall['config']})")
+    print(f"GEMV_BY_SHAPE: {json.dumps(result['best_by_shape'])}")
 
 
 if __name__ == "__main__":

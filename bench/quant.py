@@ -19,10 +19,17 @@ Modes: bf16; fp8 (`--quantization fp8`, quantized at load); int4 (GPTQ 4-bit, gr
 symmetric, dummy packed weights); fp8-kv (bf16 weights, `--kv-cache-dtype fp8`; the issue asks
 its offline workload to be at least as fast as bf16's).
 
+`--part decode,offline` runs both on one load of each engine (the load and its graphs take
+most of a part's minutes): every mode decodes, the modes of --offline-modes also run the
+offline workload, and --out names a file per part through {part}. The kernels' launch-setting
+overrides in the environment (ASYNCLLM_INT4_GEMV, ASYNCLLM_FP8_GEMV, ASYNCLLM_FP8_GEMM: a
+sweep's winners) reach every engine and are recorded in the result.
+
     python bench/quant.py --part kernels --out bench/results/quant_kernels_h200.json
     python bench/quant.py --part decode --out bench/results/quant_decode_h200.json
     python bench/quant.py --part offline --modes bf16,fp8 --out bench/results/quant_offline_fp8_h200.json
     python bench/quant.py --part offline --modes bf16,int4,fp8-kv --out bench/results/quant_offline_int4_kv_h200.json
+    python bench/quant.py --part decode,offline --modes bf16,fp8,int4 --offline-modes bf16,fp8 --out 'bench/results/quant_{part}_h200.json'
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -56,6 +64,7 @@ MODES = ("bf16", "fp8", "int4", "fp8-kv")
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 # (N, K) of a layer's projections: qkv_proj, o_proj, gate_up_proj, down_proj
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+OVERRIDES = ("ASYNCLLM_INT4_GEMV", "ASYNCLLM_FP8_GEMV", "ASYNCLLM_FP8_GEMM")
 
 
 def model_folder(mode: str) -> Path:
@@ -67,7 +76,8 @@ def model_folder(mode: str) -> Path:
     return folder
 
 
-def run_engine(mode: str, part: str) -> dict:
+def run_engine(mode: str, parts: list[str]) -> dict:
+    """{part: result} of one engine of the mode, loaded once."""
     llm = LLM(
         model=str(model_folder(mode)),
         load_format="dummy",
@@ -80,8 +90,15 @@ def run_engine(mode: str, part: str) -> dict:
     workload = make_workload(256, 100, 1024, SHAPES[SHAPE]["vocab_size"], 0)
     warm = [{"prompt_token_ids": p} for p, _ in workload[:4]]
     llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    if part == "decode":
-        return single_stream(llm, workload[0][0][:128], 256)
+    results = {}
+    if "decode" in parts:
+        results["decode"] = single_stream(llm, workload[0][0][:128], 256)
+    if "offline" in parts:
+        results["offline"] = run_offline(llm, workload)
+    return results
+
+
+def run_offline(llm: LLM, workload) -> dict:
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
     start = time.perf_counter()
@@ -95,11 +112,11 @@ def run_engine(mode: str, part: str) -> dict:
     }
 
 
-def run_child(mode: str, part: str) -> dict:
-    command = [sys.executable, __file__, "--part", part, "--child", mode]
+def run_child(mode: str, parts: list[str]) -> dict:
+    command = [sys.executable, __file__, "--part", ",".join(parts), "--child", mode]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
-        raise RuntimeError(f"{mode} {part} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{mode} {parts} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -207,22 +224,87 @@ def projection_gemms(n: int, k: int, m: int) -> list[tuple[str, object, float]]:
     ]
 
 
+def summarize(part: str, runs: dict[str, dict], bandwidth: float) -> dict[str, dict]:
+    """Each mode's run of the part against bf16's (and, decoding, against its floor); prints
+    the latest mode's."""
+    key = "output_tokens_per_s" if part == "offline" else "decode_tokens_per_s"
+    for mode, run in runs.items():
+        if "bf16" in runs:
+            run["vs_bf16"] = run[key] / runs["bf16"][key]
+        if part == "decode":
+            run["floor_tokens_per_s"] = bandwidth / weight_bytes(mode)
+            run["of_floor"] = run[key] / run["floor_tokens_per_s"]
+    print(
+        f"{part} {mode}: {run[key]:.1f} tokens/s"
+        + (f", {run['vs_bf16']:.2f}x bf16" if "vs_bf16" in run else "")
+    )
+    return runs
+
+
+def run_modes(args: argparse.Namespace, parts: list[str], header: dict) -> None:
+    """One child process a mode, the parts' files rewritten after each (a run cut short keeps
+    the modes done); a failed mode is reported and left out, so the others still count."""
+    modes = args.modes.split(",")
+    offline_modes = args.offline_modes.split(",") if args.offline_modes else modes
+    runs = {}
+    for mode in modes:
+        mode_parts = [p for p in parts if p != "offline" or mode in offline_modes]
+        try:
+            runs[mode] = run_child(mode, mode_parts)
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            continue
+        for part in mode_parts:
+            part_runs = {m: dict(run[part]) for m, run in runs.items() if part in run}
+            result = {"benchmark": f"quant_{part}", **header}
+            result["modes"] = summarize(part, part_runs, header["copy_bytes_per_s"])
+            write(result, args.out, part)
+
+
+def time_kernel_part(result: dict, bandwidth: float) -> None:
+    result["kernels"] = time_kernels()
+    for row in result["kernels"]:
+        row["of_copy_bandwidth"] = row["weight_bytes_per_s"] / bandwidth
+        print(
+            f"{row['n']:>6} x {row['k']:>6} rows {row['rows']:>3} {row['mode']:>4}: "
+            f"{row['ms'] * 1e3:8.1f} us, {row['of_copy_bandwidth']:.0%} of copy"
+        )
+    result["decode_attention"] = time_decode_attention()
+    for row in result["decode_attention"]:
+        row["of_copy_bandwidth"] = row["cache_bytes_per_s"] / bandwidth
+        print(
+            f"decode attention, {row['cache_dtype']} cache: {row['ms'] * 1e3:.1f} us, "
+            f"{row['of_copy_bandwidth']:.0%} of copy"
+        )
+
+
+def write(result: dict, out: str | None, part: str) -> None:
+    if out:
+        path = Path(out.format(part=part))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", choices=("offline", "decode", "kernels"), required=True)
+    parser.add_argument("--part", required=True, help="kernels, or decode and/or offline")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--offline-modes", help="modes that run offline too (default: all)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", help="result file; {part} in it names each part's")
     args = parser.parse_args()
+    parts = args.part.split(",")
+    if parts != ["kernels"] and not set(parts) <= {"decode", "offline"}:
+        parser.error("--part is kernels, or decode and/or offline")
     if args.child:
-        print(json.dumps(run_engine(args.child, args.part)))
+        print(json.dumps(run_engine(args.child, parts)))
         return
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    result = {
-        "benchmark": f"quant_{args.part}",
+    header = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
         "device": torch.cuda.get_device_name(),
@@ -234,39 +316,14 @@ def main() -> None:
         },
         "shape": SHAPE,
         "copy_bytes_per_s": bandwidth,
+        "launch_overrides": {name: os.environ[name] for name in OVERRIDES if name in os.environ},
     }
-    if args.part == "kernels":
-        result["kernels"] = time_kernels()
-        for row in result["kernels"]:
-            row["of_copy_bandwidth"] = row["weight_bytes_per_s"] / bandwidth
-            print(
-                f"{row['n']:>6} x {row['k']:>6} rows {row['rows']:>3} {row['mode']:>4}: {row['ms'] * 1e3:8.1f} us, {row['of_copy_bandwidth']:.0%} of copy"
-            )
-        result["decode_attention"] = time_decode_attention()
-        for row in result["decode_attention"]:
-            row["of_copy_bandwidth"] = row["cache_bytes_per_s"] / bandwidth
-            print(
-                f"decode attention, {row['cache_dtype']} cache: {row['ms'] * 1e3:.1f} us, "
-                f"{row['of_copy_bandwidth']:.0%} of copy"
-            )
-    else:
-        runs = {mode: run_child(mode, args.part) for mode in args.modes.split(",")}
-        key = "output_tokens_per_s" if args.part == "offline" else "decode_tokens_per_s"
-        for mode, run in runs.items():
-            if "bf16" in runs:
-                run["vs_bf16"] = run[key] / runs["bf16"][key]
-            if args.part == "decode":
-                run["floor_tokens_per_s"] = bandwidth / weight_bytes(mode)
-                run["of_floor"] = run[key] / run["floor_tokens_per_s"]
-            print(
-                f"{mode}: {run[key]:.1f} tokens/s"
-                + (f", {run['vs_bf16']:.2f}x bf16" if "vs_bf16" in run else "")
-            )
-        result["modes"] = runs
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    if parts == ["kernels"]:
+        result = {"benchmark": "quant_kernels", **header}
+        time_kernel_part(result, bandwidth)
+        write(result, args.out, "kernels")
+        return
+    run_modes(args, parts, header)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ _MODULE_OF = {
     "choose_decode_split": "decode_attention",
     "paged_decode_attention": "decode_attention",
     "fp8_block_gemm": "fp8_gemm",
+    "fp8_rowwise_gemm": "fp8_gemm",
+    "fp8_rowwise_wins": "fp8_gemm",
     "quantize_fp8": "fp8_quant",
     "fused_experts": "fused_moe",
     "gemv": "gemv_kernels",

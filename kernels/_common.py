@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +41,23 @@ def uses_pdl(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("ASYNCLLM_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+Config = TypeVar("Config")
+
+
+@functools.lru_cache(maxsize=8)
+def configs_by_shape(
+    name: str, table: tuple[tuple[tuple[int, int], Config], ...], kind: type[Config]
+) -> dict[tuple[int, int], Config]:
+    """{(N, K): settings}: table's entries, and over them those of the JSON object
+    {"NxK": {kind's fields}} in the environment variable `name` (a sweep's winners per
+    shape, tried in the same run)."""
+    configs = dict(table)
+    for shape, fields in json.loads(os.environ.get(name) or "{}").items():
+        n, k = map(int, shape.split("x"))
+        configs[n, k] = kind(**fields)
+    return configs
 
 
 def next_pow2(n: int) -> int:

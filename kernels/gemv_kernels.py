@@ -5,7 +5,9 @@ is one launch: nothing, RMSNorm (with the residual add), or SiLU-and-mul (asyncl
 only short rows, see FUSED_MAX_ROW in asyncllm/layers/linear.py). x is a single row of a
 few KB, so every program recomputes f on the slice of it that it needs, from L2, next to its
 slice of W. Each program owns two rows of W and reads them whole along K: even 1024-row weights
-give every SM a few programs, so K is never split.
+give every SM a few programs, so K is never split. With GemvConfig.programs_per_sm (K in one
+tile, no f) a few programs a SM take the row blocks in turn instead, reading x once and
+loading the next block's W while they sum one (e4m3 weights' sweep, bench/fp8_gemm_sweep.py).
 
 On Hopper the kernels launch with programmatic dependent launch: a GEMV starts while the kernel
 before it finishes, loads its first tile of W (which no kernel writes), and only then waits
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2, uses_pdl
+from kernels._common import configs_by_shape, next_pow2, num_sms, uses_pdl
 
 # what runs on x before the GEMM (constexpr, so the kernel may read them)
 NO_PROLOGUE = tl.constexpr(0)
@@ -30,9 +32,21 @@ SILU_AND_MUL = tl.constexpr(2)
 
 @dataclass(frozen=True)
 class GemvConfig:
+    """block_n rows of W a program, read along K in tiles of block_k. programs_per_sm > 0 (one
+    K tile, no prologue): that many programs a SM each take row blocks in turn, x read once
+    and the next block's W loading while one is summed, instead of one program a block."""
+
     block_n: int
     block_k: int
     num_warps: int = 4
+    programs_per_sm: int = 0
+
+
+# e4m3 weights' settings per (N, K) where a sweep found better than choose_gemv_config's
+# (bench/fp8_gemm_sweep.py); ASYNCLLM_FP8_GEMV, the JSON {"NxK": {GemvConfig's fields}} the
+# sweep writes, adds to and overrides the table
+FP8_GEMV_BY_SHAPE: dict[tuple[int, int], GemvConfig] = {}
+FP8_GEMV_BY_SHAPE_ENV = "ASYNCLLM_FP8_GEMV"
 
 
 @triton.jit
@@ -98,9 +112,60 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     """out[n] = sum_k f(x)[k] * w[n, k] (* scale[n]) (+ bias[n]); f's input dtype rounding as
-    unfused."""
+    unfused. PERSISTENT: K in one tile and no prologue, the programs taking the row blocks in
+    turn (_gemv_blocks)."""
+    if PERSISTENT:
+        _gemv_blocks(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, N, K, HAS_BIAS, HAS_SCALE,
+                     BLOCK_N, BLOCK_K, USE_PDL)  # fmt: skip
+    else:
+        _gemv_block(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr,
+                    scale_ptr, out_ptr, N, K, eps, PROLOGUE, HAS_RESIDUAL, HAS_BIAS, HAS_SCALE,
+                    BLOCK_N, BLOCK_K, USE_PDL)  # fmt: skip
+
+
+@triton.jit
+def _store_rows(acc, rows, row_mask, bias_ptr, scale_ptr, out_ptr, HAS_BIAS, HAS_SCALE):
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _gemv_blocks(
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, N, K, HAS_BIAS, HAS_SCALE,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Row blocks pid, pid + programs, ... of out = x @ W^T, K <= BLOCK_K: x is read once, and
+    each block's W tile loads while the one before it is summed."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    k = tl.arange(0, BLOCK_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = _w_tile(w_ptr, rows, rows < N, k, K)  # no kernel writes W: its first tile needs no wait
+    if USE_PDL:  # the next kernel may start loading its weights; x is the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    for block in range(pid, tl.cdiv(N, BLOCK_N), programs):
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        ahead = rows + programs * BLOCK_N
+        following = _w_tile(w_ptr, ahead, ahead < N, k, K)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        _store_rows(acc, rows, rows < N, bias_ptr, scale_ptr, out_ptr, HAS_BIAS, HAS_SCALE)
+        w = following
+
+
+@triton.jit
+def _gemv_block(
+    x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
+    N, K, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Row block pid of out, K in tiles of BLOCK_K."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -127,11 +192,7 @@ def _gemv_kernel(
         w = _w_tile(w_ptr, rows, row_mask, cols, K)
         x = _x_tile(x_ptr, residual_ptr, norm_weight_ptr, cols, K, rstd, PROLOGUE, HAS_RESIDUAL)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    _store_rows(acc, rows, row_mask, bias_ptr, scale_ptr, out_ptr, HAS_BIAS, HAS_SCALE)
 
 
 def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
@@ -141,6 +202,13 @@ def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
     decode_gemv_llama8b_h200.json)."""
     block_k = min(next_pow2(k), 4096)
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
+
+
+def fp8_gemv_config(n: int, k: int) -> GemvConfig:
+    """FP8_GEMV_BY_SHAPE's, else four e4m3 rows a program (half as long in bytes, they give a
+    program bf16's two rows' bytes)."""
+    table = configs_by_shape(FP8_GEMV_BY_SHAPE_ENV, tuple(FP8_GEMV_BY_SHAPE.items()), GemvConfig)
+    return table.get((n, k)) or choose_gemv_config(n, k, block_n=4)
 
 
 def _launch(
@@ -162,10 +230,13 @@ def _launch(
     assert weight.dtype == x.dtype or fp8
     assert scale is None or (scale.is_contiguous() and scale.numel() == n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    # e4m3 rows are half as long in bytes: four of them give a program bf16's two rows' bytes
-    config = config or choose_gemv_config(n, k, block_n=4 if fp8 else 2)
+    config = config or (fp8_gemv_config(n, k) if fp8 else choose_gemv_config(n, k))
     pdl = uses_pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+    blocks = triton.cdiv(n, config.block_n)
+    persistent = config.programs_per_sm > 0 and prologue == NO_PROLOGUE and k <= config.block_k
+    if persistent:
+        blocks = min(blocks, config.programs_per_sm * num_sms(x.device))
+    _gemv_kernel[(blocks,)](
         x,
         residual if residual is not None else x,
         residual_out if residual_out is not None else x,
@@ -184,6 +255,7 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_PDL=pdl,
+        PERSISTENT=persistent,
         num_warps=config.num_warps,
         launch_pdl=pdl,
     )

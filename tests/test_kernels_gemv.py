@@ -113,6 +113,18 @@ def test_config_only_changes_speed(config: GemvConfig) -> None:
     assert_close(gemv(x, w, b, config), linear_reference(x, w, b))
 
 
+# programs taking row blocks in turn (8 programs on CPU): N off the blocks, K off the tile,
+# more blocks than programs, fewer; K past the tile falls back to a program a block
+@pytest.mark.parametrize("config", [
+    GemvConfig(4, 1024, programs_per_sm=1), GemvConfig(2, 1024, programs_per_sm=2),
+    GemvConfig(16, 1024, programs_per_sm=1), GemvConfig(4, 256, programs_per_sm=1),
+])  # fmt: skip
+def test_programs_taking_row_blocks_in_turn_only_change_speed(config: GemvConfig) -> None:
+    x = randn(1, 1000, dtype=torch.float32, seed=0)
+    w, b = weights(75, 1000, torch.float32, bias=True)
+    assert_close(gemv(x, w, b, config), linear_reference(x, w, b))
+
+
 @pytest.mark.parametrize("n, k", QWEN3_0_6B + LLAMA_3_1_8B)
 def test_config_gives_every_h200_sm_three_programs_and_covers_k(n: int, k: int) -> None:
     config = choose_gemv_config(n, k)

@@ -7,6 +7,8 @@ also in bf16 on a Llama-3.1-8B projection.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +25,19 @@ from asyncllm.layers.quantization.fp8 import (
     quantize_with_scale,
 )
 from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4
-from kernels.int4_kernels import GEMV_MAX_ROWS, HALF_MAGIC_BITS, PAIR_MASK, Int4GemvConfig
+from kernels._common import configs_by_shape, next_pow2
+from kernels.fp8_gemm import ROWWISE_BY_SHAPE, Fp8GemmConfig
+from kernels.gemv_kernels import GemvConfig, choose_gemv_config, fp8_gemv_config
+from kernels.int4_kernels import (
+    GEMV_BY_SHAPE,
+    GEMV_CONFIG,
+    GEMV_MAX_ROWS,
+    GEMV_ROWS_CONFIG,
+    HALF_MAGIC_BITS,
+    PAIR_MASK,
+    Int4GemvConfig,
+    gemv_config_for,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -88,6 +102,54 @@ def test_int4_gemv_launch_settings(m, k, n, config) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+# tiles loaded 2-4 ahead: tiles of one word (group 8) and of one word in groups of 5 (group
+# 40), K and N ending mid-tile, the tiles ahead wholly past K, K split, and whole tiles (EVEN)
+@pytest.mark.parametrize(("m", "k", "n", "group", "config"), [
+    (1, 200, 40, 8, Int4GemvConfig(block_n=16, block_r=4, depth=4, splits=1)),
+    (2, 520, 20, 64, Int4GemvConfig(block_n=8, block_r=8, depth=2, splits=1)),
+    (3, 1000, 48, 40, Int4GemvConfig(block_n=16, block_r=8, depth=3, splits=2)),
+    (4, 128, 16, 128, Int4GemvConfig(block_n=16, block_r=16, depth=4, splits=1)),
+    (1, 1024, 64, 128, Int4GemvConfig(block_n=32, block_r=16, depth=4, splits=1)),
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_gemv_tiles_loaded_ahead(m, k, n, group, config, dtype) -> None:
+    """bf16 takes the packed path on the GPU (the fp32 one on the CPU)."""
+    qweight, scales, zeros = int4_weights(k, n, group, dtype, seed=k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(dtype).to(DEVICE)
+    expected = x.float() @ dequantize_int4(qweight, scales, zeros, group, k)
+    out = kernels.int4_gemm(x, qweight, scales, zeros, group, gemv_config=config)
+    assert out.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
+    """A sweep's winners per projection shape run in the same session through the environment:
+    the int4 GEMV's at one row (the 2-4 row settings stay), the FP8 GEMV's, the row-wise FP8
+    GEMM's up to its rows."""
+    winner = Int4GemvConfig(block_n=8, block_r=4, depth=2, splits=1, num_warps=2)
+    monkeypatch.setenv("ASYNCLLM_INT4_GEMV", json.dumps({"4096x14336": dataclasses.asdict(winner)}))
+    fp8 = GemvConfig(block_n=8, block_k=2048, num_warps=4)
+    monkeypatch.setenv("ASYNCLLM_FP8_GEMV", json.dumps({"4096x4096": dataclasses.asdict(fp8)}))
+    tiles = Fp8GemmConfig(block_m=64, block_n=64, max_rows=256)
+    monkeypatch.setenv("ASYNCLLM_FP8_GEMM", json.dumps({"4096x4096": dataclasses.asdict(tiles)}))
+    configs_by_shape.cache_clear()
+    try:
+        assert gemv_config_for(1, 4096, 14336) == winner
+        assert gemv_config_for(1, 4096, 4096) == GEMV_CONFIG
+        assert gemv_config_for(3, 4096, 14336) == GEMV_ROWS_CONFIG
+        assert fp8_gemv_config(4096, 4096) == fp8
+        assert fp8_gemv_config(6144, 4096) == choose_gemv_config(6144, 4096, block_n=4)
+        assert kernels.fp8_rowwise_wins(256, 4096, 4096)
+        assert not kernels.fp8_rowwise_wins(257, 4096, 4096)
+        assert not kernels.fp8_rowwise_wins(256, 6144, 4096)
+    finally:
+        for name in ("ASYNCLLM_INT4_GEMV", "ASYNCLLM_FP8_GEMV", "ASYNCLLM_FP8_GEMM"):
+            monkeypatch.delenv(name)
+        configs_by_shape.cache_clear()
+    assert gemv_config_for(1, 4096, 14336) == GEMV_BY_SHAPE.get((4096, 14336), GEMV_CONFIG)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_half_path_unpacks_pairs_exactly(dtype) -> None:
     """The GEMV's PTX path, step by step in torch: word >> 4j masked with PAIR_MASK and OR-ed
@@ -127,12 +189,12 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from kernels.int4_kernels import _int4_gemv_kernel
-half, rows, even = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+half, rows, even, depth = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 ty = "*bf16" if half == 1 else "*fp16"
 signature = {"x_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "out_ptr": "*fp32",
              "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
 constexprs = {"GROUP_SIZE": 128, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_R": 16,
-              "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
+              "DEPTH": depth, "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
 signature.update(dict.fromkeys(constexprs, "constexpr"))
 source = ASTSource(_int4_gemv_kernel, signature, constexprs)
 try:
@@ -144,12 +206,12 @@ print("ok", binary.asm["ptx"].count("fma.rn."))
 """
 
 
-@pytest.mark.parametrize(("half", "rows", "even"), [(1, 1, True), (2, 4, False)])
-def test_int4_half_path_assembles_for_hopper(half, rows, even) -> None:
+@pytest.mark.parametrize(("half", "rows", "even", "depth"), [(1, 1, True, 4), (2, 4, False, 1)])
+def test_int4_half_path_assembles_for_hopper(half, rows, even, depth) -> None:
     """The inline PTX (which the interpreter cannot run) goes through ptxas for sm_90, its
     packed FMAs (3 a word) in the kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-c", _ASSEMBLE, str(half), str(rows), str(int(even))]
+    args = [sys.executable, "-c", _ASSEMBLE, str(half), str(rows), str(int(even)), str(depth)]
     run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, check=True)
     status, detail = run.stdout.split(maxsplit=1)
     if status == "skip":
@@ -191,6 +253,29 @@ def test_fp8_block_gemm_matches_dequantized_operands(m, n, k, block) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+# (M, N, K, config): rows, columns and K off every tile, K not a power of two, one tile
+@pytest.mark.parametrize(("m", "n", "k", "config"), [
+    (1, 48, 64, Fp8GemmConfig(block_m=16, block_n=32, block_k=32)),
+    (7, 40, 100, Fp8GemmConfig(block_m=16, block_n=32, block_k=32)),
+    (70, 130, 200, Fp8GemmConfig(block_m=32, block_n=64, block_k=64)),
+    (130, 72, 1000, Fp8GemmConfig()),
+])  # fmt: skip
+def test_fp8_rowwise_gemm_matches_dequantized_operands(m, n, k, config) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    wq, w_scale = quantize_per_row(torch.randn(n, k, generator=gen))
+    xq, x_scale = quantize_per_row(torch.randn(m, k, generator=gen) * 3)
+    expected = (xq.float() * x_scale) @ (wq.float() * w_scale).t()
+    xq, x_scale, wq, w_scale = (t.to(DEVICE) for t in (xq, x_scale, wq, w_scale.view(1, -1)))
+    out = kernels.fp8_rowwise_gemm(xq, x_scale, wq, w_scale, torch.float32, config)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_rowwise_gemm_is_off_until_measured() -> None:
+    """The layer keeps torch._scaled_mm until a GPU sweep says where the kernel wins."""
+    assert ROWWISE_BY_SHAPE == {}
+    assert not kernels.fp8_rowwise_wins(64, 4096, 4096)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("m", [1, 16, 256])
 def test_int4_gemm_bf16_on_a_llama_8b_projection(m: int) -> None:
@@ -203,16 +288,23 @@ def test_int4_gemm_bf16_on_a_llama_8b_projection(m: int) -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(17, 96), (1000, 1000), (33, 5000)])
-def test_gemv_reads_fp8_weights(n: int, k: int) -> None:
+@pytest.mark.parametrize("programs_per_sm", [0, 2])
+def test_gemv_reads_fp8_weights(n: int, k: int, programs_per_sm: int) -> None:
     """The FP8 layers' batch-1 path: one row of 16/32-bit x against e4m3 W (four rows of W a
-    program, N off that), each column scaled in the kernel."""
+    program, N off that, or programs taking row blocks in turn), each column scaled in the
+    kernel."""
     gen = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
     x = (torch.randn(1, k, generator=gen) * k**-0.5).to(DEVICE)
     scale = (torch.rand(1, n, generator=gen) + 0.5).to(DEVICE)
-    torch.testing.assert_close(kernels.gemv(x, w, None), x @ w.float().t(), rtol=1e-4, atol=1e-4)
+    # the default settings, or programs taking row blocks in turn over K in one tile
+    config = None
+    if programs_per_sm:
+        config = GemvConfig(4, next_pow2(k), programs_per_sm=programs_per_sm)
+    unscaled = kernels.gemv(x, w, None, config)
+    torch.testing.assert_close(unscaled, x @ w.float().t(), rtol=1e-4, atol=1e-4)
     expected = (x @ w.float().t()) * scale
-    out = kernels.gemv(x, w, None, scale=scale)
+    out = kernels.gemv(x, w, None, config, scale=scale)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 

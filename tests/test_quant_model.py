@@ -1,32 +1,35 @@
 """The real default model (SmolLM2-135M-Instruct) quantized from its own weights: FP8 at load
-(--quantization fp8) and 4-bit (a GPTQ checkpoint written here by round-to-nearest, asymmetric,
-groups of 32), each against the unquantized model: the share of positions of real text (this
-project's README as it was when measured, kept in tests/data: the README changes, and on its
-later text FP8 agreed on 91.0%) whose top-1 next token agrees.
+(--quantization fp8) and 4-bit (a GPTQ checkpoint written here by round-to-nearest,
+asymmetric, groups of 32, bench/gptq_checkpoint.py), each against the unquantized model: the
+share of positions of real text (this project's README as it was, kept in tests/data) whose
+top-1 next token agrees, and the README's question answered with "Paris".
 
-Measured here: FP8 93.0% (the issue asks 95%: on this 135M model weight-only FP8 and
-activation-only FP8 each give 93%, and bf16 itself 98.7%, against fp32); 4-bit 70.3%
-(round-to-nearest without GPTQ's error correction, on a model this small); int8 W8A8 on CPU
-(--quantization int8, lm_head included) 79.0% (the issue asks 98%: per-channel int8 weights
-alone give 96.7%, int8 activations per row alone 90-91%, fbgemm's 7-bit ones 87.7%).
-The bounds sit a little under the measurements, so a regression shows."""
+Measured on that file (model-level here and through the engine's prompt logprobs in
+bench/results/quant_agreement_*_cpu.json, the same figures): FP8 91.0% (the issue asks 95%;
+the 93.0% first measured was on the README's text of the day, before it was kept in
+tests/data); on this 135M model weight-only FP8 gives 93.0%, activation-only 94.3%, bf16 itself
+98.7% against fp32, and 11 of the 27 positions FP8 changes are near ties (the top two within
+0.15 nats). 4-bit 70.6% (round-to-nearest; GPTQ's error correction gives 67.9%: the weights
+are already 4-bit, the GGUF's Q4_1 in blocks of 32 along K, which rounding in the same blocks
+keeps up to a shift of under half a step); int8 W8A8 on CPU (--quantization int8, lm_head
+included) 79.0% (the issue asks 98%: per-channel int8 weights alone give 96.7%, int8
+activations per row alone 90-91%, fbgemm's 7-bit ones 87.7%). The bounds sit a little under
+the measurements, so a regression shows."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 from test_quant_checkpoints import load_ours, our_logits
-from test_quant_layers import gptq_pack_cols, gptq_pack_rows, rtn_int4
+
+from asyncllm import LLM, SamplingParams
+from bench.gptq_checkpoint import write_gptq
 
 TEXT = Path(__file__).resolve().parent / "data" / "quant_agreement_text.md"
 POSITIONS = 300
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32
 
 
@@ -50,7 +53,7 @@ def test_fp8_at_load_agrees_with_the_unquantized_model(
 ) -> None:
     share = agreement(load_ours(default_model_dir, "fp8"), text_ids, reference_top1)
     print(f"FP8 top-1 agreement over {len(text_ids)} positions: {share:.1%}")
-    assert share >= 0.92
+    assert share >= 0.90
 
 
 def test_int8_at_load_agrees_with_the_unquantized_model(
@@ -66,8 +69,6 @@ def test_int8_at_load_agrees_with_the_unquantized_model(
 
 
 def test_int8_at_load_writes_text(default_model_dir) -> None:
-    from asyncllm import LLM, SamplingParams
-
     llm = LLM(model=str(default_model_dir), device="cpu", quantization="int8")
     params = SamplingParams(temperature=0.0, max_tokens=12)
     [out] = llm.generate("The capital of France is", params, use_tqdm=False)
@@ -76,37 +77,28 @@ def test_int8_at_load_writes_text(default_model_dir) -> None:
     assert sum(c.isalpha() for c in out.outputs[0].text) >= 5
 
 
-def write_gptq(source: Path, target: Path) -> None:
-    """The checkpoint with every decoder projection as GPTQ 4-bit (checkpoint_format gptq)."""
-    for name in ("config.json", "generation_config.json"):
-        shutil.copy(source / name, target / name)
-    tensors = {}
-    for name, tensor in load_file(source / "model.safetensors").items():
-        if not name.endswith(".weight") or name.split(".")[-2] not in LINEAR:
-            tensors[name] = tensor
-            continue
-        q, scales, zeros = rtn_int4(tensor.float().t(), GROUP, symmetric=False)
-        base = name.removesuffix(".weight")
-        tensors[f"{base}.qweight"] = gptq_pack_rows(q)
-        tensors[f"{base}.qzeros"] = gptq_pack_cols(zeros - 1)
-        tensors[f"{base}.scales"] = scales.half()
-        tensors[f"{base}.g_idx"] = (torch.arange(q.shape[0]) // GROUP).int()
-    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": GROUP,
-        "desc_act": False,
-        "sym": False,
-    }
-    (target / "config.json").write_text(json.dumps(config))
+@pytest.fixture(scope="module")
+def gptq_dir(default_model_dir: Path, tmp_path_factory) -> Path:
+    return write_gptq(default_model_dir, tmp_path_factory.mktemp("gptq-rtn"), GROUP)
 
 
-def test_gptq_4bit_agrees_with_the_unquantized_model(
-    default_model_dir, text_ids, reference_top1, tmp_path
-) -> None:
-    write_gptq(default_model_dir, tmp_path)
-    share = agreement(load_ours(tmp_path), text_ids, reference_top1)
+def test_gptq_4bit_agrees_with_the_unquantized_model(gptq_dir, text_ids, reference_top1) -> None:
+    share = agreement(load_ours(gptq_dir), text_ids, reference_top1)
     print(f"4-bit (GPTQ RTN, g{GROUP}) top-1 agreement over {len(text_ids)} positions: {share:.1%}")
     assert share >= 0.68
+
+
+def readme_answer(model: Path, quantization: str | None) -> str:
+    """The README's question, greedy, as its curl example asks it."""
+    llm = LLM(model=str(model), device="cpu", quantization=quantization)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    [out] = llm.chat(question, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    return out.outputs[0].text
+
+
+def test_fp8_at_load_answers_the_readme_question(default_model_dir) -> None:
+    assert "Paris" in readme_answer(default_model_dir, "fp8")
+
+
+def test_gptq_4bit_answers_the_readme_question(gptq_dir) -> None:
+    assert "Paris" in readme_answer(gptq_dir, None)

@@ -4,8 +4,9 @@ activations quantized per token at run time (or with a static per-tensor scale).
 The checkpoints of vLLM's "fp8" method (quantization_config.quant_method "fp8": Qwen3-FP8,
 DeepSeek-V3 with weight_block_size) load here, compressed-tensors' float-quantized ones run the
 same method, and `--quantization fp8` quantizes a 16-bit checkpoint's weights per channel at
-load. On CUDA the per-channel GEMM is torch._scaled_mm with row-wise scales and the block GEMM
-a Triton kernel (kernels.fp8_gemm); on CPU both run a dequantize-and-matmul reference.
+load. On CUDA the per-channel GEMM is torch._scaled_mm with row-wise scales (or, up to the rows
+kernels.fp8_rowwise_wins names, the Triton kernel of kernels.fp8_gemm) and the block GEMM a
+Triton kernel; on CPU both run a dequantize-and-matmul reference.
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ class Fp8LinearMethod(LinearMethodBase):
             return kernels.gemv(x, layer.weight, None, scale=layer.weight_scale)
         static_scale = None if self.scheme.dynamic_activations else layer.input_scale
         xq, x_scale = quantize_activations(x, static_scale=static_scale)
+        if x.is_cuda and kernels.fp8_rowwise_wins(x.shape[0], *layer.weight.shape):
+            return kernels.fp8_rowwise_gemm(xq, x_scale, layer.weight, layer.weight_scale, x.dtype)
         if x.is_cuda and _scaled_mm_fits(x, layer.weight):
             return torch._scaled_mm(
                 xq, layer.weight.t(), x_scale, layer.weight_scale, out_dtype=x.dtype
