@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 28 points 4 and 5 on one H200, in at most 420 s: bench/h200_longctx.sh OUTDIR
+# Issue 28 points 4 and 5 on one H200, in at most 420 s: bench/h200_longctx.sh OUTDIR [PARTS]
+# (PARTS: the numbers of the parts to run, e.g. "0 1 2 4"; all by default)
 #   0. GPU test: a 40,900-token prompt at max_model_len 40,960, chunked and preempted, through
 #      the Triton kernels and CUDA graphs, equals HF transformers         expected  ~45 s
 #   1. long contexts, Qwen3-0.6B shape: 64 requests, prompts U[8192, 32768], outputs U[128, 512],
@@ -17,7 +18,8 @@
 # longctx_h200.tgz; needs the wheels in .whl/ and .tok/SmolLM2-135M-Instruct/ (see
 # h200_session.sh).
 set -uo pipefail
-out=$(realpath -m "$1") work=/tmp/longctx_h200
+out=$(realpath -m "$1") work=/tmp/longctx_h200 parts=" ${2:-0 1 2 3 4 5} "
+wants() { [[ $parts == *" $1 "* ]]; }
 rm -rf "$work" && mkdir -p "$out" "$work"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
@@ -39,28 +41,37 @@ long=(--num-requests 64 --min-len 8192 --max-len 32768 --min-output-len 128
   --max-output-len 512 --max-model-len 40960 --max-num-batched-tokens 8192 --max-num-seqs 64
   --no-peer --disable-tqdm)
 
+if wants 0; then
 echo "== 0. GPU test at max_model_len 40,960"
 timeout "$(limit 70 320)" python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py \
   -k gpu > "$work/gpu_tests_longctx_h200.txt" 2>&1
 tail -2 "$work/gpu_tests_longctx_h200.txt"
+fi
 
+if wants 1; then
 echo "== 1. long contexts, qwen3-0.6b"
 timeout "$(limit 130 245)" python3 bench/throughput.py --shape qwen3-0.6b "${long[@]}" \
   --out "$work/throughput_longctx_qwen3_h200.json" > "$work/throughput_longctx_qwen3.log" 2>&1
 tail -3 "$work/throughput_longctx_qwen3.log"
 facts "$work/throughput_longctx_qwen3_h200.json"
+fi
 
+if wants 2; then
 echo "== 2. attention at 32k"
 timeout "$(limit 60 210)" python3 bench/kernels.py --sections decode_long prefill_long mixed_long \
   --long-context 32768 --out "$work/kernels_longctx_h200.json" > "$work/kernels_longctx.log" 2>&1
 grep -E "^(copy|(decode|prefill|mixed)_long +\{|best|Traceback)" "$work/kernels_longctx.log"
+fi
 
+if wants 3; then
 echo "== 3. long contexts, llama-3.1-8b"
 timeout "$(limit 160 100)" python3 bench/throughput.py --shape llama-3.1-8b "${long[@]}" \
   --out "$work/throughput_longctx_llama8b_h200.json" > "$work/throughput_longctx_llama8b.log" 2>&1
 tail -3 "$work/throughput_longctx_llama8b.log"
 facts "$work/throughput_longctx_llama8b_h200.json"
+fi
 
+if wants 4; then
 echo "== 4. multi-turn chat, shared prefixes"
 # the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer, as serving_model() in
 # h200_session.sh makes it
@@ -101,8 +112,9 @@ for _ in $(seq 40); do  # the server is this shell's only background job
 done
 kill -KILL -- -$server 2> /dev/null
 wait $server 2> /dev/null
+fi
 
-if ((deadline - SECONDS >= 30)); then
+if wants 5 && ((deadline - SECONDS >= 30)); then
   echo "== 5. prefill tiles at 32k"
   timeout "$(limit 60 0)" python3 bench/kernels.py --sections prefill_long_sweep \
     --long-context 32768 --out "$work/kernels_prefill_long_sweep_h200.json" \
