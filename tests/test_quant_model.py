@@ -12,7 +12,7 @@ tests/data); on this 135M model weight-only FP8 gives 93.0%, activation-only 94.
 0.15 nats). 4-bit 70.6% (round-to-nearest; GPTQ's error correction gives 67.9%: the weights
 are already 4-bit, the GGUF's Q4_1 in blocks of 32 along K, which rounding in the same blocks
 keeps up to a shift of under half a step); int8 W8A8 on CPU (--quantization int8, lm_head
-included) 79.0% (the issue asks 98%: per-channel int8 weights alone give 96.7%, int8
+included) 79.0% on an AVX2 EPYC, 77.0% on a Zen 5 with AVX-512 (the issue asks 98%: per-channel int8 weights alone give 96.7%, int8
 activations per row alone 90-91%, fbgemm's 7-bit ones 87.7%). The bounds sit a little under
 the measurements, so a regression shows."""
 
@@ -65,7 +65,7 @@ def test_int8_at_load_agrees_with_the_unquantized_model(
     assert model.embed_tokens.weight.dtype == torch.float32
     share = agreement(model, text_ids, reference_top1)
     print(f"int8 top-1 agreement over {len(text_ids)} positions: {share:.1%}")
-    assert share >= 0.77
+    assert share >= 0.75
 
 
 def test_int8_at_load_writes_text(default_model_dir) -> None:
