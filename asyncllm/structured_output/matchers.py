@@ -4,10 +4,11 @@ the fill first takes in the tokens the step before sampled (waiting for them, if
 runs), then fills every row's mask with xgrammar's batched fill, on several threads. A request
 verifying drafts has a row of logits per draft position and one after: row j gets the mask of
 its state after drafts[:j] (the engine core cut the drafts to those its grammar takes). The
-runner waits for the fill only when the sampler needs the mask.
+runner waits for the fill only when the sampler needs the mask: on the thread that waits for the
+step (the model runner's deferred sampling), not the one that launches the next.
 
-Invariant: a fill starts and ends within one step's launch, so the matchers are never touched by
-the fill thread and the runner's thread at once."""
+Invariant: a fill starts in a step's launch and ends before that step's sampling is enqueued,
+which the next launch waits for, so the matchers are never touched by two threads at once."""
 
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ from asyncllm.sampling_params import ReasoningMarkers
 from asyncllm.structured_output.state import GrammarState, accept_in_batch
 
 # xgrammar's "auto" takes half of std::thread::hardware_concurrency(), the host's cores rather
-# than those this process may use; past 8 threads a 256-row fill gains little and takes cores
-# from the front end and the collector
-_MAX_FILL_THREADS = 8
+# than those this process may use. The fill holds the GIL throughout, and more threads made it
+# slower: 256 rows on the H200's 16-core host took 1.12 ms on 1 thread, 0.92 on 2, 1.00 on 4,
+# 2.61 on 8 (bench/results/structured_accept_fill_real_tokenizer_h200host.json)
+_CORES_PER_FILL_THREAD = 8
+_MAX_FILL_THREADS = 4
 
 
 def fill_threads() -> int:
-    """Threads for the batched bitmask fill: half the cores this process may run on, 1 to 8."""
-    return max(1, min(_MAX_FILL_THREADS, len(os.sched_getaffinity(0)) // 2))
+    """Threads for the batched bitmask fill: one per 8 cores this process may run on, 1 to 4."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(_MAX_FILL_THREADS, cores // _CORES_PER_FILL_THREAD))
 
 
 @dataclass

@@ -5,15 +5,20 @@ copied from pinned buffers without blocking, steps replaying CUDA graphs, sample
 without blocking) and returns before it has run, so the caller can launch step N+1 while step N
 still runs, its input tokens taken from the ids N samples on the device (async scheduling). The
 launched step's wait() blocks until the ids are on the host. On CPU the step runs to its end
-inside execute_model.
+inside execute_model. A step with grammars is enqueued up to its logits: its wait() (on the
+executor's collector thread, after the step before's) enqueues the masking and sampling once the
+grammars' masks are filled, while the caller's thread takes in the step before and schedules the
+next; the next launch waits until that sampling is enqueued.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +124,39 @@ class LaunchedModelStep:
         output.draft_token_ids = self.draft_token_ids
         return output
 
+    @property
+    def on_host(self) -> bool:
+        """Whether the step has run to its end already (on CPU)."""
+        return self.done is None
+
+
+@dataclass
+class DeferredModelStep:
+    """A step whose forward pass is enqueued and whose sampling waits for its grammars' masks:
+    wait() enqueues the sampling once they are filled, then waits for the ids."""
+
+    sample: Callable[[], LaunchedModelStep]
+    on_host = False
+
+    def wait(self) -> ModelRunnerOutput:
+        return self.sample().wait()
+
+
+@dataclass
+class ForwardedStep:
+    """A step enqueued up to its logits, and what its sampling needs."""
+
+    scheduler_output: SchedulerOutput
+    inputs: StepInputs
+    prompt_spans: list[PromptSpan]
+    drafts: list[list[int]]
+    layout: DraftLayout
+    constrained: list  # of ConstrainedRow
+    hidden: torch.Tensor | None
+    logits: torch.Tensor
+    aux_hidden: list[torch.Tensor]
+    meta: SamplingMetadata | None
+
 
 def _copy_to_host(sampled: SamplerOutput) -> SamplerOutput:
     """Non-blocking copies into pinned memory, readable once the step's event has happened."""
@@ -175,21 +213,61 @@ class ModelRunner:
             self.planner = self._step_planner(backend)
             self.graphs = self._capture_graphs()
         self._last_sampled: DeviceTokens | None = None
+        # cleared while a launched step's sampling is left to its wait(): the next launch
+        # follows it on the stream, and reads its sampled ids and histories
+        self._sampling_enqueued = threading.Event()
+        self._sampling_enqueued.set()
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> LaunchedModelStep | DeferredModelStep:
         """Enqueues one step on the runner's own CUDA stream (on CPU: runs it); the step's
-        wait() gives its output."""
+        wait() gives its output. A step with grammars is enqueued up to its logits, and its
+        wait() enqueues the sampling once the masks are filled (the masks need the step
+        before's ids: the caller takes that step in meanwhile, rather than waiting here)."""
+        self._sampling_enqueued.wait()  # the step before's sampling, if its wait() enqueues it
         with torch.inference_mode(), _stream_context(self.stream):
             try:
-                return self._launch(scheduler_output)
+                forwarded = self._forward_step(scheduler_output)
             except BaseException:
-                # what it would have sampled is lost: the engine fails its requests, and the
-                # step launched behind it runs on for the others
-                self._last_sampled = DeviceTokens(self._no_tokens, {}, lost=True)
+                self._lose_sampled()
                 raise
+            if forwarded.constrained and self._samples_later:
+                self._sampling_enqueued.clear()
+                return DeferredModelStep(functools.partial(self._sample_later, forwarded))
+            return self._sample_or_lose(forwarded)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
+    @property
+    def _samples_later(self) -> bool:
+        """Whether a step with grammars leaves its sampling to its wait(): under async
+        scheduling (the caller has the step before to take in meanwhile), and without a draft
+        model (its drafts read the requests, which the caller updates meanwhile)."""
+        return self.config.async_scheduling and self.drafter is None
+
+    def _sample_later(self, forwarded: ForwardedStep) -> LaunchedModelStep:
+        """On the thread that waits for the step: its sampling enqueued once the grammars'
+        masks are filled, while the caller's thread takes in the step before and schedules."""
+        try:
+            with torch.inference_mode(), _stream_context(self.stream):
+                return self._sample_or_lose(forwarded)
+        finally:
+            self._sampling_enqueued.set()
+
+    def _sample_or_lose(self, forwarded: ForwardedStep) -> LaunchedModelStep:
+        try:
+            return self._sample_step(forwarded)
+        except BaseException:
+            self._lose_sampled()
+            raise
+
+    def _lose_sampled(self) -> None:
+        # what the step would have sampled is lost: the engine fails its requests, and the
+        # step launched behind it runs on for the others
+        self._last_sampled = DeviceTokens(self._no_tokens, {}, lost=True)
+
+    def _forward_step(self, scheduler_output: SchedulerOutput) -> ForwardedStep:
+        """The step up to its logits, enqueued; the grammars' masks start filling."""
         self._forget(scheduler_output.finished_req_ids)
         # a preempted request's token in flight is dropped: its history restarts from the host
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
@@ -207,15 +285,36 @@ class ModelRunner:
         if constrained:
             self.grammar_matchers.start_fill(constrained)
         hidden, logits, aux_hidden = self._forward(plan, inputs)
-        sampled = meta = verification = draft_token_ids = next_token_ids = None
-        if inputs.sampling_rows:
+        meta = None
+        if inputs.sampling_rows:  # read before the caller takes in the step before
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
+        return ForwardedStep(
+            scheduler_output,
+            inputs,
+            prompt_spans,
+            drafts,
+            layout,
+            constrained,
+            hidden,
+            logits,
+            aux_hidden,
+            meta,
+        )
+
+    def _sample_step(self, forwarded: ForwardedStep) -> LaunchedModelStep:
+        """The forwarded step's sampling (masked by the grammars), drafts and prompt logprobs
+        enqueued, their results copied to the host."""
+        scheduler_output, inputs = forwarded.scheduler_output, forwarded.inputs
+        drafts, constrained, logits = forwarded.drafts, forwarded.constrained, forwarded.logits
+        meta = forwarded.meta
+        sampled = verification = draft_token_ids = next_token_ids = None
+        if inputs.sampling_rows:
             # masked before the sampler processes the logits
             if constrained:
                 bitmask = self.grammar_matchers.bitmask(constrained, logits.shape[0])
                 apply_token_bitmask(logits, bitmask)
             if any(drafts):
-                verification = verify_drafts(self.sampler, logits, meta, drafts, layout)
+                verification = verify_drafts(self.sampler, logits, meta, drafts, forwarded.layout)
                 next_token_ids = verification.next_token_ids
             else:
                 sampled = self.sampler(logits, meta)
@@ -227,7 +326,11 @@ class ModelRunner:
             self._last_sampled = DeviceTokens(next_token_ids, dict(zip(ids, range(len(ids)))))
         if self.drafter is not None:
             forward = TargetForward(
-                inputs.input_ids, inputs.positions, inputs.meta, hidden, aux_hidden
+                inputs.input_ids,
+                inputs.positions,
+                inputs.meta,
+                forwarded.hidden,
+                forwarded.aux_hidden,
             )
             draft_token_ids = self._draft(
                 scheduler_output, inputs, forward, next_token_ids, verification
@@ -239,9 +342,9 @@ class ModelRunner:
         elif sampled is not None:
             sampled = _copy_to_host(sampled)
         prompt_logprobs = {}
-        if prompt_spans:
+        if forwarded.prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
-                hidden, prompt_spans, self.model.compute_logits
+                forwarded.hidden, forwarded.prompt_spans, self.model.compute_logits
             )
         done = self._record_event()
         if constrained:  # the rows' tokens, for the matchers to take in
