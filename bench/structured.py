@@ -163,6 +163,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         max_num_batched_tokens=8192,
         num_kv_blocks=batch * (max_model_len // 16 + 2),
     )
+    from asyncllm.engine.core import EngineCore
     from asyncllm.structured_output import matchers
     from asyncllm.worker.model_runner import ModelRunner
 
@@ -170,8 +171,14 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     # per step, the ms in each: the whole fill on its thread (and its thread CPU time), its wait
     # for the step before's sampled ids, xgrammar's accepts of them (holding the GIL) and batched
     # fills, the runner's wait for the fill, and the runner's own work for the grammars (its
-    # constrained rows, the sampled ids recorded for the matchers)
+    # constrained rows, the sampled ids recorded for the matchers); on the core's thread, the
+    # launch, the step's output taken in and of it the update (the rest is the wait for the
+    # output: where the device sets the pace); on the collector, the deferred sampling
     timed_methods = {
+        "execute_model": ModelRunner,
+        "_finish": EngineCore,
+        "_update": EngineCore,
+        "_sample_later": ModelRunner,
         "_fill_host": matchers.GrammarMatchers,
         "_take_sampled": matchers.GrammarMatchers,
         "_fill_batched": matchers.GrammarMatchers,
@@ -262,6 +269,12 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         "bitmask_wait_ms": median_in_step("bitmask"),
         "constrained_rows_ms": median_in_step("_constrained_rows"),
         "record_sampled_ms": median_in_step("record_sampled"),
+        "core_launch_ms": median_in_step("execute_model"),
+        "core_update_ms": median_in_step("_update"),
+        "core_output_wait_ms": statistics.median(
+            [f - u for f, u in zip(in_step["_finish"][warm:], in_step["_update"][warm:])]
+        ),
+        "deferred_sampling_ms": median_in_step("_sample_later"),
         "fill_threads": grammar_matchers.num_threads if grammar_matchers is not None else 0,
         "grammar_vocabulary": grammar_matchers.vocab_size if grammar_matchers is not None else 0,
         "cores_usable": len(os.sched_getaffinity(0)),
