@@ -3,6 +3,7 @@ prefers, every output is accepted by its grammar, and finished ones are complete
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from asyncllm.errors import ValidationError
 from asyncllm.sample.grammar_mask import TokenBitmask, apply_token_bitmask
 from asyncllm.sampling_params import StructuredOutputsParams
 from asyncllm.structured_output.compiler import tokenizer_info
+from asyncllm.structured_output.matchers import GrammarMatchers
+from asyncllm.worker.model_runner import ModelRunner
 
 COLORS = {
     "type": "object",
@@ -111,6 +114,36 @@ def test_async_scheduling_and_preemption_keep_the_grammar(tiny_model_dir, extra)
         assert_colors(output.outputs[0].text)
     if "num_kv_blocks" in extra:
         assert engine.core_client.core.scheduler.num_preemptions > 0
+
+
+def test_a_constrained_launch_returns_before_its_masks_are_filled(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """Under async scheduling the core's thread does not wait for the grammars' masks inside a
+    step's launch (they need the step before's ids): the step's wait() samples once they are
+    filled, and the grammar still holds."""
+    engine = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
+    fills = {"started": 0, "finished": 0}
+    launches_before_their_fill_ended = []
+    real_fill, real_execute = GrammarMatchers._fill_host, ModelRunner.execute_model
+
+    def slow_fill(matchers, rows):
+        time.sleep(0.05)
+        real_fill(matchers, rows)
+        fills["finished"] += 1
+
+    def execute(runner, scheduler_output):
+        started = fills["started"] = fills["started"] + 1
+        launched = real_execute(runner, scheduler_output)
+        launches_before_their_fill_ended.append(fills["finished"] < started)
+        return launched
+
+    monkeypatch.setattr(GrammarMatchers, "_fill_host", slow_fill)
+    monkeypatch.setattr(ModelRunner, "execute_model", execute)
+    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": COLORS})
+    (output,) = engine.generate("Answer:", params, use_tqdm=False)
+    assert_colors(output.outputs[0].text)
+    assert sum(launches_before_their_fill_ended) >= len(output.outputs[0].token_ids) - 1
 
 
 def test_grammar_holds_beside_requests_that_speculate(tiny_model_dir) -> None:
