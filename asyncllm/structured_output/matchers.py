@@ -1,6 +1,6 @@
 """The grammar state of each constrained request on the worker. A step's token bitmask is filled
-on a thread of its own while the runner enqueues the step's forward pass and the device runs it:
-the fill first takes in the tokens the step before sampled (waiting for them, if that step still
+on a thread of its own while the device runs the step's forward pass (on CPU, while the runner
+runs it): the fill first takes in the tokens the step before sampled (waiting for them, if that step still
 runs), then fills every row's mask with xgrammar's batched fill, on several threads. A request
 verifying drafts has a row of logits per draft position and one after: row j gets the mask of
 its state after drafts[:j] (the engine core cut the drafts to those its grammar takes). The

@@ -278,13 +278,9 @@ class ModelRunner:
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans) or reads_hidden)
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
-        # the grammars' allowed tokens are filled on the matchers' thread while the forward
-        # pass is enqueued and runs, a mask for each draft position and the one after
         layout = DraftLayout.of(drafts)
         constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows, layout.starts)
-        if constrained:
-            self.grammar_matchers.start_fill(constrained)
-        hidden, logits, aux_hidden = self._forward(plan, inputs)
+        hidden, logits, aux_hidden = self._forward_and_fill(plan, inputs, constrained)
         meta = None
         if inputs.sampling_rows:  # read before the caller takes in the step before
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
@@ -392,6 +388,21 @@ class ModelRunner:
         for row, row_drafts in zip(inputs.sampling_rows, self.drafter.draft(step)):
             per_request[row] = row_drafts
         return per_request
+
+    def _forward_and_fill(
+        self, plan: StepPlan, inputs: StepInputs, constrained: list
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+        """_forward, and the grammars' masks started filling on the matchers' thread (a mask
+        for each draft position and the one after). On a GPU the fill starts once the forward
+        pass is enqueued: xgrammar holds the GIL throughout, which enqueueing needs while the
+        device waits; on CPU it starts first, to run beside the forward pass."""
+        fill_first = self.stream is None
+        if constrained and fill_first:
+            self.grammar_matchers.start_fill(constrained)
+        forwarded = self._forward(plan, inputs)
+        if constrained and not fill_first:
+            self.grammar_matchers.start_fill(constrained)
+        return forwarded
 
     def _forward(
         self, plan: StepPlan, inputs: StepInputs
