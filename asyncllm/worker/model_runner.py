@@ -495,7 +495,12 @@ class ModelRunner:
         scheduled = [scheduler_output.scheduled[r] for r in rows]
         if all(s.request.grammar is None for s in scheduled):
             return []
-        from asyncllm.structured_output.matchers import GrammarMatchers, constrained_rows
+        from asyncllm.structured_output.compiler import model_vocabulary
+        from asyncllm.structured_output.matchers import (
+            GrammarMatchers,
+            constrained_rows,
+            wants_grammar_process,
+        )
 
         if self.grammar_matchers is None:
             grammar = next(s.request.grammar for s in scheduled if s.request.grammar is not None)
@@ -504,7 +509,9 @@ class ModelRunner:
             scheduler = self.config.scheduler
             # a row of logits per draft position and one after
             max_rows = scheduler.max_num_seqs * (1 + scheduler.num_lookahead_tokens)
-            self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device)
+            # the grammar process compiles against the same vocabulary
+            vocabulary = model_vocabulary(self.config.model) if wants_grammar_process() else None
+            self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device, vocabulary)
         return constrained_rows(scheduled, logits_rows)
 
     def _bytes_per_block(self) -> int:
