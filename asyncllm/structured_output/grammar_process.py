@@ -123,18 +123,19 @@ def serve(
     num_threads: int,
 ) -> None:
     """The process's loop: once the vocabulary is loaded, an empty list out; then a Step in,
-    the ids ready since the last step (or the error) out; None ends it."""
+    the ids ready since the last step (or the error) out; None, or the worker gone, ends it."""
     memory = shared_memory.SharedMemory(name=masks_name)
     masks = torch.frombuffer(memory.buf, dtype=torch.int32).view(shape)
     compiler = GrammarCompiler(vocabulary)
     compiler.compile(StructuredOutputsParams(json_object=True))  # loads the vocabulary
     held = _HeldGrammars(masks, compiler, num_threads)
     connection.send([])
-    while (step := connection.recv()) is not None:
-        try:
-            connection.send(held.step(step))
-        except Exception as e:  # the worker fails the step with it
-            connection.send(RuntimeError(f"grammar process: {type(e).__name__}: {e}"))
+    with contextlib.suppress(EOFError):  # the worker has gone
+        while (step := connection.recv()) is not None:
+            try:
+                connection.send(held.step(step))
+            except Exception as e:  # the worker fails the step with it
+                connection.send(RuntimeError(f"grammar process: {type(e).__name__}: {e}"))
 
 
 class GrammarProcess:
@@ -188,7 +189,7 @@ def _stop(
 ) -> None:
     with contextlib.suppress(OSError):  # it may have gone already
         connection.send(None)
-    process.join(5)
+    process.join(1)
     if process.is_alive():
         process.kill()
     connection.close()
