@@ -234,6 +234,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": prompt}, params)
         llm.add_request(request, None)
     step_ms: list[float] = []
+    takeover_deadline = time.monotonic() + 20  # then timed as it stands (grammar_process_rows)
     in_step: dict[str, list[float]] = {name: [] for name in spent}
     has_work = True
     sync()
@@ -242,7 +243,8 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         running = core.scheduler.running
         decoding = core.scheduler.num_running == batch
         decoding = decoding and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
-        if decoding and constrained and not grammar_process_holds(llm, batch):
+        waiting = time.monotonic() < takeover_deadline and not grammar_process_holds(llm, batch)
+        if decoding and constrained and waiting:
             time.sleep(0.2)  # it compiles the schemas meanwhile
             decoding = False
         for times in spent.values():
