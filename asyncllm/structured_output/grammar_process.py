@@ -98,7 +98,9 @@ class _HeldGrammars:
     def _start_compiled(self) -> list[str]:
         started = []
         for request_id, held in self._held.items():
-            if held.state is None and held.grammar.done():
+            # a constraint it cannot compile (the worker's did) leaves the request there
+            compiled = held.grammar.done() and held.grammar.exception() is None
+            if held.state is None and compiled:
                 adopted = held.adopted
                 held.state = GrammarState(
                     held.grammar.result(), adopted.reasoning, adopted.prompt_token_ids

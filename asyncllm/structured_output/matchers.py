@@ -184,6 +184,11 @@ class GrammarMatchers:
             if self._remote.pop(request_id, None) is not None:
                 self._step.forget.append(request_id)
                 self._ready.discard(request_id)
+        # what is still to be sent of them (before the process has started): the process
+        # takes the forgetting first
+        step = self._step
+        step.adopt = [a for a in step.adopt if a.request_id not in request_ids]
+        step.accepts = [(i, t) for i, t in step.accepts if i not in request_ids]
 
     def start_fill(self, rows: list[ConstrainedRow]) -> None:
         """Starts filling the bitmask of this step's constrained rows on the fill thread."""
