@@ -163,6 +163,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         max_num_batched_tokens=8192,
         num_kv_blocks=batch * (max_model_len // 16 + 2),
     )
+    from asyncllm.engine.core import EngineCore
     from asyncllm.structured_output import matchers
     from asyncllm.worker.model_runner import ModelRunner
 
@@ -170,18 +171,24 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     # per step, the ms in each: the whole fill on its thread (and its thread CPU time), its wait
     # for the step before's sampled ids, xgrammar's accepts of them (holding the GIL) and batched
     # fills, the runner's wait for the fill, and the runner's own work for the grammars (its
-    # constrained rows, the sampled ids recorded for the matchers)
+    # constrained rows, the sampled ids recorded for the matchers); on the core's thread, the
+    # launch, the step's output taken in and of it the update (the rest is the wait for the
+    # output: where the device sets the pace); on the collector, the deferred sampling
     timed_methods = {
+        "execute_model": ModelRunner,
+        "_finish": EngineCore,
+        "_update": EngineCore,
+        "_sample_later": ModelRunner,
         "_fill_host": matchers.GrammarMatchers,
         "_take_sampled": matchers.GrammarMatchers,
-        "_fill_batched": matchers.GrammarMatchers,
+        "_receive_step": matchers.GrammarMatchers,
         "bitmask": matchers.GrammarMatchers,
         "record_sampled": matchers.GrammarMatchers,
         "_constrained_rows": ModelRunner,
     }
     real = {name: getattr(owner, name) for name, owner in timed_methods.items()}
-    real_accept = matchers.accept_in_batch
-    spent: dict[str, list[float]] = {name: [] for name in [*timed_methods, "accept", "fill_cpu"]}
+    real_accept, real_fill = matchers.accept_in_batch, matchers.fill_masks
+    spent = {name: [] for name in [*timed_methods, "accept", "fill", "fill_cpu"]}
 
     def timed(name, function):
         def call(*args):
@@ -197,6 +204,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     for name, owner in timed_methods.items():
         setattr(owner, name, timed(name, real[name]))
     matchers.accept_in_batch = timed("accept", real_accept)
+    matchers.fill_masks = timed("fill", real_fill)
     # of the fill thread's wait for the sampled ids, the part spent waiting for the device
     real_synchronize = torch.cuda.Event.synchronize
     spent["device_wait"] = []
@@ -211,6 +219,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
     schemas = [StructuredOutputsParams(json=schema(i, 20)) for i in range(batch)]
     if constrained:  # compiled ahead, so that every request is admitted at once
         concurrent.futures.wait([core.grammar_compiler.submit(p) for p in schemas])
+        start_grammar_process(llm)
     tokenizer_size, _ = tokenizer_size_and_eos(folder)
     rng = random.Random(1)
     for i in range(batch):
@@ -225,6 +234,7 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": prompt}, params)
         llm.add_request(request, None)
     step_ms: list[float] = []
+    takeover_deadline = time.monotonic() + 20  # then timed as it stands (grammar_process_rows)
     in_step: dict[str, list[float]] = {name: [] for name in spent}
     has_work = True
     sync()
@@ -233,6 +243,10 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         running = core.scheduler.running
         decoding = core.scheduler.num_running == batch
         decoding = decoding and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
+        waiting = time.monotonic() < takeover_deadline and not grammar_process_holds(llm, batch)
+        if decoding and constrained and waiting:
+            time.sleep(0.2)  # it compiles the schemas meanwhile
+            decoding = False
         for times in spent.values():
             times.clear()
         step = llm.core_client.get_output()
@@ -258,20 +272,52 @@ def decode_steps(folder: Path, constrained: bool, batch: int, steps: int) -> dic
         "sampled_ids_wait_ms": median_in_step("_take_sampled"),
         "device_wait_ms": median_in_step("device_wait"),
         "accept_ms": median_in_step("accept"),
-        "xgrammar_fill_ms": median_in_step("_fill_batched"),
+        "xgrammar_fill_ms": median_in_step("fill"),
+        "grammar_process_wait_ms": median_in_step("_receive_step"),
         "bitmask_wait_ms": median_in_step("bitmask"),
         "constrained_rows_ms": median_in_step("_constrained_rows"),
         "record_sampled_ms": median_in_step("record_sampled"),
+        "core_launch_ms": median_in_step("execute_model"),
+        "core_update_ms": median_in_step("_update"),
+        "core_output_wait_ms": statistics.median(
+            [f - u for f, u in zip(in_step["_finish"][warm:], in_step["_update"][warm:])]
+        ),
+        "deferred_sampling_ms": median_in_step("_sample_later"),
         "fill_threads": grammar_matchers.num_threads if grammar_matchers is not None else 0,
         "grammar_vocabulary": grammar_matchers.vocab_size if grammar_matchers is not None else 0,
+        "grammar_process_rows": (
+            0 if grammar_matchers is None else grammar_matchers.num_held_by_process
+        ),
         "cores_usable": len(os.sched_getaffinity(0)),
     }
     for name, owner in timed_methods.items():
         setattr(owner, name, real[name])
-    matchers.accept_in_batch = real_accept
+    matchers.accept_in_batch, matchers.fill_masks = real_accept, real_fill
     torch.cuda.Event.synchronize = real_synchronize
     llm.core_client.shutdown()
     return result
+
+
+def start_grammar_process(llm) -> None:
+    """Where the engine gives the grammars a process of their own, it is started (a few
+    seconds: torch, the tokenizer) by a first constrained request, before the timed batch."""
+    params = SamplingParams(
+        max_tokens=1, structured_outputs=StructuredOutputsParams(json=schema(-1, 2))
+    )
+    llm.generate("warm up", params, use_tqdm=False)
+    process = llm.core_client.core.executor.model_runner.grammar_matchers.process
+    deadline = time.monotonic() + 60
+    while process is not None and not process.started():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the grammar process did not start in 60 s")
+        time.sleep(0.1)
+
+
+def grammar_process_holds(llm, batch: int) -> bool:
+    """Whether every request's rows are filled where they will be in the steady state: by the
+    grammar process once it has compiled their schemas, or here without one."""
+    matchers = llm.core_client.core.executor.model_runner.grammar_matchers
+    return matchers.process is None or matchers.num_held_by_process >= batch
 
 
 def part_step(batch: int, steps: int, tokenizer: Path | None) -> dict:

@@ -2,7 +2,10 @@
 prefers, every output is accepted by its grammar, and finished ones are complete."""
 
 import json
+import os
 import re
+import signal
+import time
 
 import pytest
 import torch
@@ -11,7 +14,10 @@ from asyncllm import LLM, SamplingParams
 from asyncllm.errors import ValidationError
 from asyncllm.sample.grammar_mask import TokenBitmask, apply_token_bitmask
 from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.structured_output import matchers
 from asyncllm.structured_output.compiler import tokenizer_info
+from asyncllm.structured_output.matchers import GrammarMatchers
+from asyncllm.worker.model_runner import ModelRunner
 
 COLORS = {
     "type": "object",
@@ -113,6 +119,36 @@ def test_async_scheduling_and_preemption_keep_the_grammar(tiny_model_dir, extra)
         assert engine.core_client.core.scheduler.num_preemptions > 0
 
 
+def test_a_constrained_launch_returns_before_its_masks_are_filled(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """Under async scheduling the core's thread does not wait for the grammars' masks inside a
+    step's launch (they need the step before's ids): the step's wait() samples once they are
+    filled, and the grammar still holds."""
+    engine = LLM(model=str(tiny_model_dir), max_model_len=512, async_scheduling=True)
+    fills = {"started": 0, "finished": 0}
+    launches_before_their_fill_ended = []
+    real_fill, real_execute = GrammarMatchers._fill_host, ModelRunner.execute_model
+
+    def slow_fill(matchers, rows):
+        time.sleep(0.05)
+        real_fill(matchers, rows)
+        fills["finished"] += 1
+
+    def execute(runner, scheduler_output):
+        started = fills["started"] = fills["started"] + 1
+        launched = real_execute(runner, scheduler_output)
+        launches_before_their_fill_ended.append(fills["finished"] < started)
+        return launched
+
+    monkeypatch.setattr(GrammarMatchers, "_fill_host", slow_fill)
+    monkeypatch.setattr(ModelRunner, "execute_model", execute)
+    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": COLORS})
+    (output,) = engine.generate("Answer:", params, use_tqdm=False)
+    assert_colors(output.outputs[0].text)
+    assert sum(launches_before_their_fill_ended) >= len(output.outputs[0].token_ids) - 1
+
+
 def test_grammar_holds_beside_requests_that_speculate(tiny_model_dir) -> None:
     engine = LLM(
         model=str(tiny_model_dir),
@@ -198,3 +234,72 @@ def test_bitmask_forbids_the_logits_past_its_words() -> None:
     assert torch.equal(logits[0], torch.zeros(100))
     assert torch.equal(logits[1, :64], torch.zeros(64))
     assert torch.equal(logits[1, 64:], torch.full((36,), float("-inf")))
+
+
+PROCESS_PARAMS = SamplingParams(
+    n=3, max_tokens=80, temperature=1.0, seed=11, structured_outputs={"json": COLORS}
+)
+
+
+def engine_with_grammar_process(model_dir, monkeypatch, **kwargs) -> LLM:
+    """An engine whose grammar process has started (a first constrained request starts it)."""
+    monkeypatch.setattr(matchers, "wants_grammar_process", lambda: True)
+    engine = LLM(model=str(model_dir), max_model_len=512, async_scheduling=True, **kwargs)
+    engine.generate("warm up", PROCESS_PARAMS, use_tqdm=False)
+    process = engine.core_client.core.executor.model_runner.grammar_matchers.process
+    deadline = time.monotonic() + 60
+    while not process.started():
+        assert time.monotonic() < deadline, "the grammar process did not start"
+        time.sleep(0.1)
+    return engine
+
+
+@pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_grammar_process_holds_the_grammars(tiny_model_dir, monkeypatch, speculation) -> None:
+    """Where the cores allow it, a process of its own takes the requests over once it has
+    compiled their constraints: it takes their tokens and fills their masks (the rows of drafts
+    too), and every output still follows its schema."""
+    engine = engine_with_grammar_process(
+        tiny_model_dir, monkeypatch, speculative_config=speculation
+    )
+    params = PROCESS_PARAMS
+    remote_rows = []
+    real_send = matchers.GrammarMatchers._send_step
+
+    def send_step(self, remote):
+        remote_rows.append(len(remote))
+        return real_send(self, remote)
+
+    monkeypatch.setattr(matchers.GrammarMatchers, "_send_step", send_step)
+    copying = "red green blue red green blue red green blue red green"
+    for output in engine.generate([copying, "Answer:"], params, use_tqdm=False):
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop"
+            assert_colors(completion.text)
+    assert sum(remote_rows) > 0
+    engine.core_client.core.executor.model_runner.grammar_matchers.close()
+
+
+def test_a_dead_grammar_process_fails_its_step_and_the_grammars_come_back(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """The grammar process dies while it fills requests' rows: those requests fail with the
+    step (their tokens in flight cannot be followed here), and the next requests are matched
+    in the worker, their schemas held."""
+    engine = engine_with_grammar_process(tiny_model_dir, monkeypatch)
+    grammar_matchers = engine.core_client.core.executor.model_runner.grammar_matchers
+    real_receive = matchers.GrammarMatchers._receive_step
+
+    def receive_step(self, remote, num_masked):
+        if remote and self.process is not None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        return real_receive(self, remote, num_masked)
+
+    monkeypatch.setattr(matchers.GrammarMatchers, "_receive_step", receive_step)
+    (failed,) = engine.generate("Answer:", PROCESS_PARAMS, use_tqdm=False)
+    assert failed.error is not None and "grammar process" in failed.error
+    assert grammar_matchers.process is None
+    (after,) = engine.generate("Answer:", PROCESS_PARAMS, use_tqdm=False)
+    for completion in after.outputs:
+        assert completion.finish_reason == "stop"
+        assert_colors(completion.text)

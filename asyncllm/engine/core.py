@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,13 +206,9 @@ class EngineCore:
     def grammar_compiler(self):
         """Compiles structured-output constraints against the model's vocabulary."""
         if self._grammar_compiler is None:
-            from asyncllm.structured_output.compiler import GrammarCompiler, tokenizer_info
+            from asyncllm.structured_output.compiler import GrammarCompiler, model_vocabulary
 
-            model = self.config.model
-            vocabulary = functools.partial(
-                tokenizer_info, model.path, model.hf_config.vocab_size, list(model.eos_token_ids)
-            )
-            self._grammar_compiler = GrammarCompiler(vocabulary)
+            self._grammar_compiler = GrammarCompiler(model_vocabulary(self.config.model))
         return self._grammar_compiler
 
     def _admit_compiled(self) -> None:

@@ -21,7 +21,8 @@ def _complete(future: concurrent.futures.Future, produce: Callable[[], object]) 
 class UniprocExecutor(Executor):
     """The step is launched in the caller's thread (launching returns once the GPU has it queued;
     on CPU the step has run by then). On a GPU a collector thread waits for the step's event
-    and completes the future, so the caller may launch the next step meanwhile."""
+    and completes the future, so the caller may launch the next step meanwhile; for a step with
+    grammars it first enqueues the step's sampling, once their masks are filled."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.model_runner = ModelRunner(config)
@@ -37,7 +38,7 @@ class UniprocExecutor(Executor):
         except Exception as e:
             result.set_exception(e)
             return result
-        if launched.done is None:
+        if launched.on_host:
             _complete(result, launched.wait)
         else:
             self._collector.submit(_complete, result, launched.wait)

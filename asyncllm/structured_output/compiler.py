@@ -4,6 +4,7 @@ the GIL), so neither the event loop nor the engine's steps wait for a compile.""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,14 @@ def tokenizer_info(path: Path, vocab_size: int, stop_token_ids: list[int]) -> xg
     own_size = max(len(ids), max(ids) + 1, max(stop_token_ids, default=-1) + 1)
     return xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=min(own_size, vocab_size), stop_token_ids=sorted(stop_token_ids)
+    )
+
+
+def model_vocabulary(model) -> Callable[[], xgr.TokenizerInfo]:
+    """tokenizer_info of a ModelConfig's tokenizer, to load where and when it is needed (a
+    picklable call: the grammar process loads it too)."""
+    return functools.partial(
+        tokenizer_info, model.path, model.hf_config.vocab_size, list(model.eos_token_ids)
     )
 
 

@@ -5,15 +5,20 @@ copied from pinned buffers without blocking, steps replaying CUDA graphs, sample
 without blocking) and returns before it has run, so the caller can launch step N+1 while step N
 still runs, its input tokens taken from the ids N samples on the device (async scheduling). The
 launched step's wait() blocks until the ids are on the host. On CPU the step runs to its end
-inside execute_model.
+inside execute_model. A step with grammars is enqueued up to its logits: its wait() (on the
+executor's collector thread, after the step before's) enqueues the masking and sampling once the
+grammars' masks are filled, while the caller's thread takes in the step before and schedules the
+next; the next launch waits until that sampling is enqueued.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +131,39 @@ class LaunchedModelStep:
                 output.draft_token_ids[row] = drafts[: drafts.index(-1)] if -1 in drafts else drafts
         return output
 
+    @property
+    def on_host(self) -> bool:
+        """Whether the step has run to its end already (on CPU)."""
+        return self.done is None
+
+
+@dataclass
+class DeferredModelStep:
+    """A step whose forward pass is enqueued and whose sampling waits for its grammars' masks:
+    wait() enqueues the sampling once they are filled, then waits for the ids."""
+
+    sample: Callable[[], LaunchedModelStep]
+    on_host = False
+
+    def wait(self) -> ModelRunnerOutput:
+        return self.sample().wait()
+
+
+@dataclass
+class ForwardedStep:
+    """A step enqueued up to its logits, and what its sampling needs."""
+
+    scheduler_output: SchedulerOutput
+    inputs: StepInputs
+    prompt_spans: list[PromptSpan]
+    drafts: list[list[int]]
+    layout: DraftLayout
+    constrained: list  # of ConstrainedRow
+    hidden: torch.Tensor | None
+    logits: torch.Tensor
+    aux_hidden: list[torch.Tensor]
+    meta: SamplingMetadata | None
+
 
 def _copy_to_host(sampled: SamplerOutput) -> SamplerOutput:
     """Non-blocking copies into pinned memory, readable once the step's event has happened."""
@@ -183,21 +221,61 @@ class ModelRunner:
             self.planner = self._step_planner(backend)
             self.graphs = self._capture_graphs()
         self._last_sampled: DeviceTokens | None = None
+        # cleared while a launched step's sampling is left to its wait(): the next launch
+        # follows it on the stream, and reads its sampled ids and histories
+        self._sampling_enqueued = threading.Event()
+        self._sampling_enqueued.set()
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> LaunchedModelStep | DeferredModelStep:
         """Enqueues one step on the runner's own CUDA stream (on CPU: runs it); the step's
-        wait() gives its output."""
+        wait() gives its output. A step with grammars is enqueued up to its logits, and its
+        wait() enqueues the sampling once the masks are filled (the masks need the step
+        before's ids: the caller takes that step in meanwhile, rather than waiting here)."""
+        self._sampling_enqueued.wait()  # the step before's sampling, if its wait() enqueues it
         with torch.inference_mode(), _stream_context(self.stream):
             try:
-                return self._launch(scheduler_output)
+                forwarded = self._forward_step(scheduler_output)
             except BaseException:
-                # what it would have sampled is lost: the engine fails its requests, and the
-                # step launched behind it runs on for the others
-                self._last_sampled = DeviceTokens(self._no_tokens, {}, lost=True)
+                self._lose_sampled()
                 raise
+            if forwarded.constrained and self._samples_later:
+                self._sampling_enqueued.clear()
+                return DeferredModelStep(functools.partial(self._sample_later, forwarded))
+            return self._sample_or_lose(forwarded)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedModelStep:
+    @property
+    def _samples_later(self) -> bool:
+        """Whether a step with grammars leaves its sampling to its wait(): under async
+        scheduling (the caller has the step before to take in meanwhile), and without a draft
+        model (its drafts read the requests, which the caller updates meanwhile)."""
+        return self.config.async_scheduling and self.drafter is None
+
+    def _sample_later(self, forwarded: ForwardedStep) -> LaunchedModelStep:
+        """On the thread that waits for the step: its sampling enqueued once the grammars'
+        masks are filled, while the caller's thread takes in the step before and schedules."""
+        try:
+            with torch.inference_mode(), _stream_context(self.stream):
+                return self._sample_or_lose(forwarded)
+        finally:
+            self._sampling_enqueued.set()
+
+    def _sample_or_lose(self, forwarded: ForwardedStep) -> LaunchedModelStep:
+        try:
+            return self._sample_step(forwarded)
+        except BaseException:
+            self._lose_sampled()
+            raise
+
+    def _lose_sampled(self) -> None:
+        # what the step would have sampled is lost: the engine fails its requests, and the
+        # step launched behind it runs on for the others
+        self._last_sampled = DeviceTokens(self._no_tokens, {}, lost=True)
+
+    def _forward_step(self, scheduler_output: SchedulerOutput) -> ForwardedStep:
+        """The step up to its logits, enqueued; the grammars' masks start filling."""
         self._forget(scheduler_output.finished_req_ids)
         # a preempted request's token in flight is dropped: its history restarts from the host
         self.sampling_state.forget(scheduler_output.preempted_req_ids)
@@ -208,23 +286,42 @@ class ModelRunner:
         plan = self.planner.plan(scheduler_output, scores_prompt=bool(prompt_spans) or reads_hidden)
         inputs = self.input_batch.prepare(scheduler_output, plan, self._last_sampled)
         drafts = [scheduler_output.scheduled[r].spec_token_ids for r in inputs.sampling_rows]
-        # the grammars' allowed tokens are filled on the matchers' thread while the forward
-        # pass is enqueued and runs, a mask for each draft position and the one after
         layout = DraftLayout.of(drafts)
         constrained = self._constrained_rows(scheduler_output, inputs.sampling_rows, layout.starts)
-        if constrained:
-            self.grammar_matchers.start_fill(constrained)
-        hidden, logits, aux_hidden = self._forward(plan, inputs)
-        sampled = meta = verification = draft_token_ids = next_token_ids = device_drafts = None
-        if inputs.sampling_rows:
+        hidden, logits, aux_hidden = self._forward_and_fill(plan, inputs, constrained)
+        meta = None
+        if inputs.sampling_rows:  # read before the caller takes in the step before
             meta = self._sampling_metadata(scheduler_output, inputs.sampling_rows)
+        return ForwardedStep(
+            scheduler_output,
+            inputs,
+            prompt_spans,
+            drafts,
+            layout,
+            constrained,
+            hidden,
+            logits,
+            aux_hidden,
+            meta,
+        )
+
+    def _sample_step(self, forwarded: ForwardedStep) -> LaunchedModelStep:
+        """The forwarded step's sampling (masked by the grammars), drafts and prompt logprobs
+        enqueued, their results copied to the host."""
+        scheduler_output, inputs = forwarded.scheduler_output, forwarded.inputs
+        drafts, constrained, logits = forwarded.drafts, forwarded.constrained, forwarded.logits
+        meta = forwarded.meta
+        sampled = verification = draft_token_ids = next_token_ids = device_drafts = None
+        if inputs.sampling_rows:
             # masked before the sampler processes the logits
             if constrained:
                 bitmask = self.grammar_matchers.bitmask(constrained, logits.shape[0])
                 apply_token_bitmask(logits, bitmask)
             if any(drafts):
                 scored_ids = inputs.input_ids[inputs.logits_indices]
-                verification = verify_drafts(self.sampler, logits, meta, layout, scored_ids)
+                verification = verify_drafts(
+                    self.sampler, logits, meta, forwarded.layout, scored_ids
+                )
                 next_token_ids = verification.next_token_ids
             else:
                 sampled = self.sampler(logits, meta)
@@ -235,7 +332,7 @@ class ModelRunner:
             ]
             if self.drafter is not None and self.drafter.drafts_on_device:
                 batch = self._draft_batch(
-                    scheduler_output, inputs, hidden, next_token_ids, verification
+                    scheduler_output, inputs, forwarded.hidden, next_token_ids, verification
                 )
                 device_drafts = self.drafter.propose(batch)
             self._last_sampled = DeviceTokens(
@@ -246,7 +343,11 @@ class ModelRunner:
             )
         if self.drafter is not None and not self.drafter.drafts_on_device:
             forward = TargetForward(
-                inputs.input_ids, inputs.positions, inputs.meta, hidden, aux_hidden
+                inputs.input_ids,
+                inputs.positions,
+                inputs.meta,
+                forwarded.hidden,
+                forwarded.aux_hidden,
             )
             draft_token_ids = self._draft(
                 scheduler_output, inputs, forward, next_token_ids, verification
@@ -260,9 +361,9 @@ class ModelRunner:
         if device_drafts is not None:
             device_drafts = device_drafts.to("cpu", non_blocking=True)
         prompt_logprobs = {}
-        if prompt_spans:
+        if forwarded.prompt_spans:
             prompt_logprobs = compute_prompt_logprobs(
-                hidden, prompt_spans, self.model.compute_logits
+                forwarded.hidden, forwarded.prompt_spans, self.model.compute_logits
             )
         done = self._record_event()
         if constrained:  # the rows' tokens, for the matchers to take in
@@ -351,6 +452,21 @@ class ModelRunner:
             hidden=hidden,
             sampled_rows=sampled_rows,
         )
+
+    def _forward_and_fill(
+        self, plan: StepPlan, inputs: StepInputs, constrained: list
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+        """_forward, and the grammars' masks started filling on the matchers' thread (a mask
+        for each draft position and the one after). On a GPU the fill starts once the forward
+        pass is enqueued: xgrammar holds the GIL throughout, which enqueueing needs while the
+        device waits; on CPU it starts first, to run beside the forward pass."""
+        fill_first = self.stream is None
+        if constrained and fill_first:
+            self.grammar_matchers.start_fill(constrained)
+        forwarded = self._forward(plan, inputs)
+        if constrained and not fill_first:
+            self.grammar_matchers.start_fill(constrained)
+        return forwarded
 
     def _forward(
         self, plan: StepPlan, inputs: StepInputs
@@ -443,7 +559,12 @@ class ModelRunner:
         scheduled = [scheduler_output.scheduled[r] for r in rows]
         if all(s.request.grammar is None for s in scheduled):
             return []
-        from asyncllm.structured_output.matchers import GrammarMatchers, constrained_rows
+        from asyncllm.structured_output.compiler import model_vocabulary
+        from asyncllm.structured_output.matchers import (
+            GrammarMatchers,
+            constrained_rows,
+            wants_grammar_process,
+        )
 
         if self.grammar_matchers is None:
             grammar = next(s.request.grammar for s in scheduled if s.request.grammar is not None)
@@ -452,7 +573,9 @@ class ModelRunner:
             scheduler = self.config.scheduler
             # a row of logits per draft position and one after
             max_rows = scheduler.max_num_seqs * (1 + scheduler.num_lookahead_tokens)
-            self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device)
+            # the grammar process compiles against the same vocabulary
+            vocabulary = model_vocabulary(self.config.model) if wants_grammar_process() else None
+            self.grammar_matchers = GrammarMatchers(vocab_size, max_rows, self.device, vocabulary)
         return constrained_rows(scheduled, logits_rows)
 
     def _bytes_per_block(self) -> int:
