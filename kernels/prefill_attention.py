@@ -111,6 +111,8 @@ def _prefill_kernel(
     # last tiles first: they see the most keys, so the long programs start early and the tail is short
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
     req = _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q)
+    if req < 0:  # a tile of the rows before query_start_loc[0] (a mixed step's decodes)
+        return
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     m_tile = tile - (q_start // BLOCK_Q + req)

@@ -343,19 +343,23 @@ def test_prefill_skips_zero_length_requests(tiles) -> None:
     assert relative_error(out[:total], ref[:total]) < 1e-5
 
 
-def test_prefill_starts_at_the_first_request_of_a_slice() -> None:
-    """Given the metadata of requests 2 on (as a mixed step passes its prompts, the decodes at
-    the front going to the decode kernel), rows before them are left alone."""
-    query_lens, seq_lens = [1, 1, 70, 1, 9], [40, 3, 90, 12, 9]
+@pytest.mark.parametrize("num_decodes", [2, 100])
+def test_prefill_starts_at_the_first_request_of_a_slice(num_decodes: int) -> None:
+    """Given the metadata of the requests after num_decodes decodes (as a mixed step passes its
+    prompts, the decodes at the front going to the decode kernel), rows before them are left
+    alone: 100 decode rows span several of the kernel's tiles, which own no request."""
+    query_lens = [1] * num_decodes + [70, 1, 9]
+    seq_lens = [40 + i % 7 for i in range(num_decodes)] + [90, 12, 9]
     query, _, _, kv_cache, meta = make_batch(query_lens, seq_lens, 4, 2, 32, torch.float32)
     out = torch.full_like(query, float("nan"))
+    d = num_decodes
     paged_prefill_attention(
-        query, kv_cache, meta.query_start_loc[2:], meta.seq_lens[2:], meta.block_tables[2:],
+        query, kv_cache, meta.query_start_loc[d:], meta.seq_lens[d:], meta.block_tables[d:],
         0.125, 70, out=out,
     )  # fmt: skip
-    assert out[:2].isnan().all()
+    assert out[:d].isnan().all()
     ref = reference_attention(query, kv_cache, meta, 0.125)
-    assert relative_error(out[2:], ref[2:]) < 1e-5
+    assert relative_error(out[d:], ref[d:]) < 1e-5
 
 
 def write_and_attend(backend, query, key, value, kv_cache, meta, scale) -> torch.Tensor:
