@@ -1,4 +1,5 @@
-"""Top-1 agreement of a quantized mode with fp32 on real text, teacher forced, on CPU.
+"""Top-1 agreement of a lower-precision mode (a quantization, or a dtype) with fp32 on real text,
+teacher forced, on CPU.
 
 Both engines read the same tokens of real English (tests/data/quant_agreement_text.md, the
 README as it was when the quantization tests were written, unless --text names another file)
@@ -7,6 +8,7 @@ of rank 1), and the result is the share of positions where the two agree. The is
 for a lower-precision CPU mode is 98%.
 
     python bench/quant_agreement_cpu.py --quantization int8 --out bench/results/quant_agreement_int8_cpu.json
+    python bench/quant_agreement_cpu.py --quantization none --dtype bfloat16 --out bench/results/quant_agreement_bf16_cpu.json
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from bench.throughput import cpu_description
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "quant_agreement_text.md"
 
 
-def top1_per_position(model: str, ids: list[int], quantization: str | None) -> list[int]:
+def top1_per_position(
+    model: str, ids: list[int], quantization: str | None, dtype: str = "float32"
+) -> list[int]:
     """The rank-1 next token after each prefix ids[:p], p = 1 .. len(ids) - 1."""
-    llm = LLM(model=model, device="cpu", quantization=quantization)
+    llm = LLM(model=model, device="cpu", quantization=quantization, dtype=dtype)
     params = SamplingParams(max_tokens=1, prompt_logprobs=1)
     [output] = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
     return [
@@ -45,7 +49,10 @@ def top1_per_position(model: str, ids: list[int], quantization: str | None) -> l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder or GGUF (None: SmolLM2-135M)")
-    parser.add_argument("--quantization", default="int8", help="the mode against fp32")
+    parser.add_argument(
+        "--quantization", default="int8", help="the mode against fp32 (none: only --dtype)"
+    )
+    parser.add_argument("--dtype", default="float32", help="the mode's dtype (bfloat16, ...)")
     parser.add_argument("--text", type=Path, default=TEXT, help="real text to read")
     parser.add_argument("--positions", type=int, default=300, help="tokens of the text read")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
@@ -54,7 +61,8 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     ids = tokenizer(args.text.read_text())["input_ids"][: args.positions]
     reference = top1_per_position(str(path), ids, None)
-    quantized = top1_per_position(str(path), ids, args.quantization)
+    quantization = None if args.quantization == "none" else args.quantization
+    quantized = top1_per_position(str(path), ids, quantization, args.dtype)
     agreeing = sum(a == b for a, b in zip(reference, quantized))
     result = {
         "benchmark": "quant_agreement_cpu",
@@ -63,7 +71,8 @@ def main() -> None:
         "cpu": cpu_description(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "model": str(path),
-        "quantization": args.quantization,
+        "quantization": quantization,
+        "dtype": args.dtype,
         "text": args.text.name,
         "positions": len(reference),
         "top1_agreement_vs_fp32": agreeing / len(reference),

@@ -4,6 +4,7 @@ on first use (torch.utils.cpp_extension caches the build across processes)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -28,11 +29,18 @@ def build(name: str, source: Path) -> None:
     )
 
 
+def build_name(source: Path) -> str:
+    """Named after the source's hash: checkouts of different sources share torch's build cache
+    without one loading (or rebuilding over) the other's library."""
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    return f"asyncllm_cpu_decode_attention_{digest}"
+
+
 @functools.cache
 def cpu_decode_attention_available() -> bool:
     """Build and load the kernel once; False, after one warning, when that fails."""
     try:
-        build("asyncllm_cpu_decode_attention", SOURCE)
+        build(build_name(SOURCE), SOURCE)
     except Exception as error:  # no compiler, no ninja, a failed build: the torch path remains
         logger.warning("CPU decode attention kernel unavailable (%s); using torch SDPA", error)
         return False

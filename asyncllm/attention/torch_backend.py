@@ -309,7 +309,7 @@ class TorchAttentionBackend:
             self.use_cpu_kernel
             and query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.bfloat16)
-            and kv_cache.dtype == query.dtype
+            and kv_cache.dtype in (query.dtype, torch.bfloat16)
             and query.shape[-1] % HEAD_DIM_MULTIPLE == 0
             and cpu_decode_attention_available()
         )
