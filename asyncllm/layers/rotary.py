@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.cpu_layer_ops import cpu_layer_ops_available, rotary_embedding_cpu
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -111,11 +112,23 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """On CUDA the Triton kernel rotates q and k in place (the half-split pairs only)."""
+        """On CUDA the Triton kernel rotates q and k in place (the half-split pairs only), on
+        CPU a C++ op (float32 heads)."""
         if q.is_cuda and not self.interleaved:
             return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        if self._cpu_op_fits(q, k):
+            return rotary_embedding_cpu(positions, q, k, self.cos_sin_cache)
         cache, interleaved = self.cos_sin_cache, self.interleaved
         return (
             apply_rotary(q, positions, cache, interleaved),
             apply_rotary(k, positions, cache, interleaved),
+        )
+
+    def _cpu_op_fits(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        return (
+            not self.interleaved
+            and q.device.type == "cpu"
+            and q.dtype == k.dtype == self.cos_sin_cache.dtype == torch.float32
+            and q.dim() == k.dim() == 3
+            and cpu_layer_ops_available()
         )
