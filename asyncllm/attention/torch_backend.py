@@ -22,6 +22,7 @@ from kernels.cpu_decode_attention import (
     cpu_decode_attention_available,
     paged_decode_attention_cpu,
 )
+from kernels.cpu_layer_ops import cpu_layer_ops_available
 
 T = TypeVar("T")
 
@@ -179,9 +180,10 @@ class TorchAttentionBackend:
         self._step_meta: AttentionMetadata | None = None
         self._step_cache: dict[str, Any] = {}
 
-    def build_cpu_kernel(self) -> None:
-        """Builds and loads the C++ decode kernel now (a compile on a fresh install, about 1 s
-        of checks once built) instead of in the first decode step."""
+    def build_cpu_kernels(self) -> None:
+        """Builds and loads the C++ decode kernel and the layer ops (norm, rotary) now (a compile
+        on a fresh install, about 1 s of checks once built) instead of in the first step."""
+        cpu_layer_ops_available()
         if self.use_cpu_kernel:
             cpu_decode_attention_available()
 
