@@ -11,7 +11,8 @@
 
 namespace {
 
-constexpr int64_t kRowsPerTask = 16;
+// a decode step's rows (microseconds of work) in the calling thread, a prompt's split over threads
+constexpr int64_t kRowsPerTask = 64;
 
 // residual += x; x = residual / rms(residual) * weight, row by row.
 void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,

@@ -95,15 +95,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if getattr(layer, "onednn_packed", False):
-            return _packed_linear(x, layer.weight, bias)
+            return packed_linear(x, layer.weight, bias)
         if single_cuda_row(x):
             return kernels.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
-def _packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # oneDNN keeps memory for every row count it has seen (RSS grew without bound under random
     # request lengths): pad the rows up to one of a few dozen sizes, at most 1/8 more
     rows, dtype = x.shape[0], x.dtype
