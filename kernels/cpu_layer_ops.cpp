@@ -1,5 +1,5 @@
 // A decoder layer's per-token float32 ops on CPU, in place and in one pass each, as the Triton
-// kernels do them on a GPU: at a decode step's 17 rows torch's versions of these ran 10-50 us of
+// kernels do them on a GPU (the norm, the rotary, the KV cache write): at a decode step's 17 rows torch's versions of these ran 10-50 us of
 // a layer in small ops (the rotary's index, chunks, multiplies and cat for q and for k), each a
 // pass over memory and a dispatch (bench/NOTES.md).
 #include <ATen/Parallel.h>
@@ -94,6 +94,56 @@ void rotary_embedding(const at::Tensor& positions, const at::Tensor& q, const at
   rotate_heads(k, pos, cos_sin, cos_sin_cache.size(1));
 }
 
+template <typename cache_t>
+void write_rows(const at::Tensor& source, cache_t* plane, const int64_t* slots) {
+  const int64_t heads = source.size(1), head_dim = source.size(2), row = heads * head_dim;
+  const float* base = source.const_data_ptr<float>();
+  at::parallel_for(0, source.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* from = base + t * source.stride(0) + h * source.stride(1);
+        cache_t* to = plane + slots[t] * row + h * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) to[d] = static_cast<cache_t>(from[d]);
+      }
+    }
+  });
+}
+
+// Each token's key and value [tokens, kv_heads, head_dim] (rows may be strided) into its slot
+// of a float32 or bfloat16 cache [2, blocks, block_size, kv_heads, head_dim]; slots < 0 are
+// padding, skipped.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
+                    t->stride(2) == 1 && t->sizes() == key.sizes(),
+                "write_kv_cache: float32 CPU key and value [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.is_contiguous() && kv_cache.size(3) == key.size(1) &&
+                  kv_cache.size(4) == key.size(2),
+              "write_kv_cache: a contiguous [2, blocks, block_size, kv_heads, head_dim] cache");
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0),
+              "write_kv_cache: contiguous int64 slot_mapping, one per token");
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t limit = kv_cache.size(1) * kv_cache.size(2);
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t)
+    TORCH_CHECK(slots[t] < limit, "write_kv_cache: slot ", slots[t], " is past the cache's ",
+                limit);
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    auto* keys = kv_cache.mutable_data_ptr<c10::BFloat16>();
+    write_rows(key, keys, slots);
+    write_rows(value, keys + kv_cache.stride(0), slots);
+  } else {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "write_kv_cache: a float32 or bf16 cache");
+    auto* keys = kv_cache.mutable_data_ptr<float>();
+    write_rows(key, keys, slots);
+    write_rows(value, keys + kv_cache.stride(0), slots);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(asyncllm_cpu_layer, m) {
@@ -101,4 +151,6 @@ TORCH_LIBRARY(asyncllm_cpu_layer, m) {
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
 }

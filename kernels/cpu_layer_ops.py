@@ -1,5 +1,5 @@
 """A decoder layer's per-token float32 ops on CPU, in place (kernels/cpu_layer_ops.cpp): the
-residual add with the RMSNorm, and the rotary embedding of q and k."""
+residual add with the RMSNorm, the rotary embedding of q and k, and the KV cache write."""
 
 from __future__ import annotations
 
@@ -34,3 +34,11 @@ def rotary_embedding_cpu(
     (i, i + D / 2)."""
     torch.ops.asyncllm_cpu_layer.rotary_embedding(positions, q, k, cos_sin_cache)
     return q, k
+
+
+def write_kv_cache_cpu(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """float32 key and value [T, Hk, D] (strided views of qkv) into their slots of a float32 or
+    bf16 cache; slots < 0 are padding and skipped."""
+    torch.ops.asyncllm_cpu_layer.write_kv_cache(key, value, kv_cache, slot_mapping)

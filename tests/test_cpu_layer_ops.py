@@ -12,6 +12,7 @@ from kernels.cpu_layer_ops import (
     cpu_layer_ops_available,
     fused_add_rms_norm_cpu,
     rotary_embedding_cpu,
+    write_kv_cache_cpu,
 )
 
 
@@ -53,6 +54,28 @@ def test_rotary_rejects_a_position_past_its_cache() -> None:
     q, k = torch.randn(1, 2, 64), torch.randn(1, 1, 64)
     with pytest.raises(RuntimeError, match="position 16"):
         rotary_embedding_cpu(torch.tensor([16]), q, k, rotary.cos_sin_cache)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_fills_the_slots_and_skips_padding(cache_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 6, 8, generator=gen)  # 2 query heads, 2 KV heads of 8
+    _, key, value = qkv.split([2, 2, 2], dim=1)
+    cache = torch.zeros(2, 4, 4, 2, 8, dtype=cache_dtype)
+    slots = torch.tensor([3, -1, 14, 0, 9])
+    write_kv_cache_cpu(key, value, cache, slots)
+    expected = torch.zeros_like(cache)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0].view(-1, 2, 8)[slot] = key[t].to(cache_dtype)
+            expected[1].view(-1, 2, 8)[slot] = value[t].to(cache_dtype)
+    assert torch.equal(cache, expected)
+
+
+def test_kv_cache_write_rejects_a_slot_past_the_cache() -> None:
+    key = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="slot 16"):
+        write_kv_cache_cpu(key, key, torch.zeros(2, 4, 4, 2, 8), torch.tensor([16]))
 
 
 def test_layers_take_the_ops_for_float32_on_cpu() -> None:

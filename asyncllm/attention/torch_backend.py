@@ -22,7 +22,7 @@ from kernels.cpu_decode_attention import (
     cpu_decode_attention_available,
     paged_decode_attention_cpu,
 )
-from kernels.cpu_layer_ops import cpu_layer_ops_available
+from kernels.cpu_layer_ops import cpu_layer_ops_available, write_kv_cache_cpu
 
 T = TypeVar("T")
 
@@ -35,7 +35,11 @@ def write_kv_cache(
     kv_scales: KVScales = UNIT_KV_SCALES,
 ) -> None:
     """Store new keys/values in their slots; slots < 0 are padding and skipped. An FP8 cache
-    stores e4m3(key / kv_scales.k) and e4m3(value / kv_scales.v), saturated at +-448."""
+    stores e4m3(key / kv_scales.k) and e4m3(value / kv_scales.v), saturated at +-448. float32
+    keys on CPU go to a float32 or bf16 cache in one C++ pass."""
+    if _cpu_write_fits(key, kv_cache, slot_mapping):
+        write_kv_cache_cpu(key, value, kv_cache, slot_mapping)
+        return
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
@@ -45,6 +49,16 @@ def write_kv_cache(
     cache = _bytes(kv_cache)
     cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _cpu_write_fits(key: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    return (
+        key.device.type == "cpu"
+        and key.dtype == torch.float32
+        and kv_cache.dtype in (torch.float32, torch.bfloat16)
+        and slot_mapping.dtype == torch.int64
+        and cpu_layer_ops_available()
+    )
 
 
 def _for_cache(t: torch.Tensor, scale: float, kv_cache: torch.Tensor) -> torch.Tensor:
