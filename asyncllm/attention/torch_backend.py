@@ -203,8 +203,9 @@ class TorchAttentionBackend:
         self._step_cache: dict[str, Any] = {}
 
     def build_cpu_kernels(self) -> None:
-        """Builds and loads the C++ decode kernel and the layer ops (norm, rotary) now (a compile
-        on a fresh install, about 1 s of checks once built) instead of in the first step."""
+        """Builds and loads the C++ decode kernel and layer ops (norm, rotary, KV cache write)
+        now (a compile on a fresh install, about 1 s of checks once built) instead of in the
+        first step."""
         cpu_layer_ops_available()
         if self.use_cpu_kernel:
             cpu_decode_attention_available()

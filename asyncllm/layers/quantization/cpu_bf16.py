@@ -5,13 +5,14 @@ logits stay fp32, and the KV cache is bf16 (config.ModelConfig.compute_dtype).
 
 Why not bf16 throughout, as on a GPU: on the default model, teacher forced over 299 positions
 of real text (bench/quant_agreement_cpu.py), bf16 activations as well gave 97.99% top-1
-agreement with fp32, bf16 weights under fp32 activations 98.7% (99.3% with the bf16 KV cache);
-the issue asks 98%.
+agreement with fp32, where the issue asks 98%; this mode 98.66%
+(bench/results/quant_agreement_bf16_cpu.json).
 
-What it needs: native bf16 dot products (AVX512_BF16 or AMX). There oneDNN's bf16 GEMMs ran
-1.5-2x the packed fp32 ones at 1-256 rows (one Zen 5 thread: gate_up at 16 rows 0.28 -> 0.16
-ms, the lm_head 6.4 -> 3.4 ms). Without them it emulates them, and on an AVX2-only EPYC bf16
-GEMMs were 4-8x slower than fp32: the engine warns (bench/NOTES.md).
+What it needs: native bf16 dot products (AVX512_BF16 or AMX). There this path (casts included)
+ran the default model's projections 1.2-1.6x as fast as the packed fp32 weights at 17 rows and
+1.8-1.9x at 256, one Zen 5 thread (bench/results/cpu_linear_zen5_avx512_loaded.json). Without
+them oneDNN emulates them, and on an AVX2-only EPYC bf16 GEMMs were 4-8x slower than fp32: the
+engine warns (bench/NOTES.md).
 """
 
 from __future__ import annotations
