@@ -8,6 +8,9 @@ of real text (bench/quant_agreement_cpu.py), bf16 activations as well gave 97.99
 agreement with fp32, where the issue asks 98%; this mode 98.66%
 (bench/results/quant_agreement_bf16_cpu.json).
 
+Its logits carry the bf16 lm_head's rounding (as a GPU's bf16 logits do): near ties can flip,
+such as the README's greedy capital-of-France reply, whose first tokens are 0.04 apart.
+
 What it needs: native bf16 dot products (AVX512_BF16 or AMX). There this path (casts included)
 ran the default model's projections 1.2-1.6x as fast as the packed fp32 weights at 17 rows and
 1.8-1.9x at 256, one Zen 5 thread (bench/results/cpu_linear_zen5_avx512_loaded.json). Without
