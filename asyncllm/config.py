@@ -23,7 +23,8 @@ _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.
 @dataclass
 class EngineArgs:
     model: str | None = None  # HF folder or .gguf file; None: the default SmolLM2-135M-Instruct
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    # float32 on CPU, bfloat16 on CUDA; bfloat16 on CPU: bf16 weights and KV cache, fp32 the rest
+    dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"  # auto | dummy
     max_model_len: int | None = None
@@ -122,6 +123,15 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # the loader checks the checkpoint's KV cache scheme against it
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: dtype, but float32 for bfloat16 on CPU, where dtype is only
+        what the linear weights and the KV cache are stored in (layers/quantization/cpu_bf16.py
+        says why)."""
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            return torch.float32
+        return self.dtype
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:

@@ -70,7 +70,8 @@ SERVER_FLAG_HELP = {
 }
 ENGINE_FLAG_HELP = {
     "model": "Hugging Face folder or .gguf file (None: the default SmolLM2-135M-Instruct)",
-    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 (on CPU: bf16 weights "
+    "and KV cache, float32 activations; needs AVX512_BF16 or AMX to be fast) or float16",
     "device": "auto (cuda when there is one), cpu or cuda",
     "load_format": "auto (the folder's safetensors) or dummy (random weights, for benchmarks)",
     "max_model_len": "the longest sequence, prompt and output (None: the model's limit)",

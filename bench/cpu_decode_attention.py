@@ -25,7 +25,8 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench.throughput import cpu_description
-from kernels.cpu_decode_attention import SOURCE, build, cpu_decode_attention_available
+from kernels.cpu_decode_attention import SOURCE, cpu_decode_attention_available
+from kernels.cpu_extension import build
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

@@ -7,7 +7,8 @@ minimum over interleaved rounds of every variant.
 
 Variants per projection of SmolLM2-135M (x [rows, in] @ W.T): the engine's oneDNN-packed fp32
 weight, F.linear (MKL), fbgemm's dynamically quantized int8 linear (per-channel int8 weights,
-activations quantized per call) and bf16 F.linear. Also the square fp32 matmul rate the CPU floor
+activations quantized per call), bf16 F.linear, and the engine's `--dtype bfloat16` on CPU: the
+oneDNN-packed bf16 weight, fp32 activations cast to bf16 and the output back to fp32. Also the square fp32 matmul rate the CPU floor
 of bench/throughput.py uses, and the C++ paged decode attention on one layer.
 """
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from asyncllm.layers.quantization.base import packed_linear
 from bench.throughput import cpu_description
 from kernels.cpu_decode_attention import cpu_decode_attention_available, paged_decode_attention_cpu
 
@@ -62,11 +64,13 @@ def linear_variants(weight: torch.Tensor, x: torch.Tensor) -> dict:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
     int8 = int8_weight(weight)
     weight_bf16, x_bf16 = weight.bfloat16(), x.bfloat16()
+    packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, 32)
     return {
         "onednn_fp32": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         "mkl_fp32": lambda: F.linear(x, weight),
         "fbgemm_int8_dynamic": lambda: torch.ops.quantized.linear_dynamic(x, int8, True),
         "bf16": lambda: F.linear(x_bf16, weight_bf16),
+        "onednn_bf16_fp32_io": lambda: packed_linear(x, packed_bf16, None),
     }
 
 

@@ -4,7 +4,8 @@ Both engines read the same tokens of real English (tests/data/quant_agreement_te
 README as it was when the quantization tests were written, unless --text names another file)
 as one prompt; each position's most likely next token comes from its prompt logprobs (the token
 of rank 1), and the result is the share of positions where the two agree. The issue's targets:
-98% for a lower-precision CPU mode (int8), 95% for FP8; the 4-bit figure is reported.
+98% for a lower-precision CPU mode (int8, or --quantization none --dtype bfloat16), 95% for
+FP8; the 4-bit figure is reported.
 
 --quantization int8 and fp8 quantize the weights as they load; gptq and gptq-rtn write a 4-bit
 GPTQ checkpoint of the model first (bench/gptq_checkpoint.py, asymmetric, groups of 32: by
@@ -15,6 +16,7 @@ nearest) and load that. Each run also answers the README's question with the qua
     python bench/quant_agreement_cpu.py --quantization fp8 --out bench/results/quant_agreement_fp8_cpu.json
     python bench/quant_agreement_cpu.py --quantization gptq-rtn --out bench/results/quant_agreement_gptq_rtn_cpu.json
     python bench/quant_agreement_cpu.py --quantization gptq --out bench/results/quant_agreement_gptq_cpu.json
+    python bench/quant_agreement_cpu.py --quantization none --dtype bfloat16 --out bench/results/quant_agreement_bf16_cpu.json
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from bench.gptq_checkpoint import calibration_hessians, write_gptq
 from bench.throughput import cpu_description
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "quant_agreement_text.md"
-TARGETS = {"int8": 0.98, "fp8": 0.95}
+TARGETS = {"int8": 0.98, "none": 0.98, "fp8": 0.95}
 GPTQ_GROUP = 32
 CALIBRATION_TOKENS = 2048
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,14 +63,17 @@ def readme_answer(llm: LLM) -> str:
     return llm.chat(QUESTION, params, use_tqdm=False)[0].outputs[0].text
 
 
-def quantized_llm(path: Path, quantization: str, scratch: Path) -> LLM:
-    """int8 and fp8 quantize at load; gptq and gptq-rtn load a checkpoint written here."""
+def quantized_llm(path: Path, quantization: str, dtype: str, scratch: Path) -> LLM:
+    """int8 and fp8 quantize at load; gptq and gptq-rtn load a checkpoint written here; none
+    runs the model's weights in `dtype`."""
     if quantization.startswith("gptq"):
         hessians = None
         if quantization == "gptq":
             hessians = calibration_hessians(path, CALIBRATION_TOKENS)
-        return LLM(model=str(write_gptq(path, scratch, GPTQ_GROUP, hessians)), device="cpu")
-    return LLM(model=str(path), device="cpu", quantization=quantization)
+        model = write_gptq(path, scratch, GPTQ_GROUP, hessians)
+        return LLM(model=str(model), device="cpu", dtype=dtype)
+    method = None if quantization == "none" else quantization
+    return LLM(model=str(path), device="cpu", quantization=method, dtype=dtype)
 
 
 def gptq_settings(quantization: str) -> dict | None:
@@ -86,9 +91,10 @@ def main() -> None:
     parser.add_argument(
         "--quantization",
         default="int8",
-        choices=("int8", "fp8", "gptq", "gptq-rtn"),
-        help="against fp32",
+        choices=("none", "int8", "fp8", "gptq", "gptq-rtn"),
+        help="against fp32 (none: only --dtype)",
     )
+    parser.add_argument("--dtype", default="float32", help="the mode's dtype (bfloat16, ...)")
     parser.add_argument("--text", type=Path, default=TEXT, help="real text to read")
     parser.add_argument("--positions", type=int, default=300, help="tokens of the text read")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
@@ -98,7 +104,7 @@ def main() -> None:
     ids = tokenizer(args.text.read_text())["input_ids"][: args.positions]
     reference = top1_per_position(LLM(model=str(path), device="cpu"), ids)
     with tempfile.TemporaryDirectory() as scratch:
-        llm = quantized_llm(path, args.quantization, Path(scratch))
+        llm = quantized_llm(path, args.quantization, args.dtype, Path(scratch))
         quantized = top1_per_position(llm, ids)
         answer = readme_answer(llm)
     agreeing = sum(a == b for a, b in zip(reference, quantized))
@@ -110,6 +116,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "model": str(path),
         "quantization": args.quantization,
+        "dtype": args.dtype,
         "gptq": gptq_settings(args.quantization),
         "text": args.text.name,
         "positions": len(reference),

@@ -216,6 +216,7 @@ def run_asyncllm(model: str, workload: Workload, args) -> dict:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        dtype=args.dtype,
     )
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
@@ -440,6 +441,12 @@ def main() -> None:
         default=None,
         help="the engine's flag (fp8; int8 on CPU); the HF peer stays unquantized",
     )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the engine's flag (bfloat16 on CPU: bf16 weights and KV cache); the HF peer runs "
+        "in the default dtype (float32 on CPU, bfloat16 on CUDA)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
     output_range = (
@@ -510,7 +517,8 @@ def main() -> None:
         },
         "model": args.shape or str(path),
         "tensor_parallel_size": args.tensor_parallel_size,
-        "dtype": str(dtype),
+        "dtype": str(dtype),  # the floor's matmul rate and the HF peer's
+        "engine_dtype": args.dtype,
         "quantization": args.quantization,
         "workload": {
             "num_requests": args.num_requests,

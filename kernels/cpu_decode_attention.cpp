@@ -1,5 +1,7 @@
 // Paged decode attention on CPU: one query token per request attends over its KV blocks where
-// they lie in the cache, with no gathered copy. Layout: asyncllm/attention/backend.py.
+// they lie in the cache, with no gathered copy. Layout: asyncllm/attention/backend.py. Query and
+// output are float32 or bfloat16, the cache of their dtype or bfloat16 (`--dtype bfloat16` on
+// CPU: fp32 activations over a bf16 cache).
 //
 // Per (request, KV head), one pass over the context in tiles of kTile positions: the scores of
 // every query head of the group against the tile, an online softmax, and the tile's values
@@ -251,9 +253,9 @@ void for_head_blocks(int64_t heads, Block block) {
 
 // KV heads [first, first + count) of one request, with the query heads of their groups: each
 // tile's rows are read once for all of them, count * head_dim values side by side.
-template <typename scalar_t>
-void attend_heads(const scalar_t* query, const scalar_t* keys, const scalar_t* values,
-                  const int32_t* block_table, int64_t seq_len, float scale, scalar_t* out,
+template <typename q_t, typename kv_t>
+void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
+                  const int32_t* block_table, int64_t seq_len, float scale, q_t* out,
                   int64_t count, const Shape& shape, Scratch& s) {
   const int64_t G = shape.group(), D = shape.head_dim, heads = count * G;
   s.query.resize(heads * D);
@@ -268,8 +270,8 @@ void attend_heads(const scalar_t* query, const scalar_t* keys, const scalar_t* v
   TileCursor cursor(block_table, seq_len, shape);
   int64_t rows[2][kTile];
   int n_next = cursor.next(rows[0]);
-  const scalar_t* key_rows[kTile];
-  const scalar_t* value_rows[kTile];
+  const kv_t* key_rows[kTile];
+  const kv_t* value_rows[kTile];
   for (int64_t tile = 0; n_next > 0; ++tile) {
     const int64_t* current = rows[tile % 2];
     const int n = n_next;
@@ -296,23 +298,23 @@ void attend_heads(const scalar_t* query, const scalar_t* keys, const scalar_t* v
   for (int64_t h = 0; h < heads; ++h) {
     const float inv_sum = 1.f / reduce_sum(s.sum[h]);
     for (int64_t d = 0; d < D; ++d)
-      out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv_sum);
+      out[h * D + d] = static_cast<q_t>(acc[h * D + d] * inv_sum);
   }
 }
 
 // Work items are (request, span of KV heads): a request's every KV head at once where there
 // are requests enough to keep the threads busy (its rows read whole, in address order), one
 // KV head an item where there are few.
-template <typename scalar_t>
+template <typename q_t, typename kv_t>
 void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
                 const at::Tensor& out, const Shape& s) {
-  const scalar_t* q = query.const_data_ptr<scalar_t>();
-  const scalar_t* keys = kv_cache.const_data_ptr<scalar_t>();
-  const scalar_t* values = keys + kv_cache.stride(0);
+  const q_t* q = query.const_data_ptr<q_t>();
+  const kv_t* keys = kv_cache.const_data_ptr<kv_t>();
+  const kv_t* values = keys + kv_cache.stride(0);
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
-  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  q_t* o = out.mutable_data_ptr<q_t>();
   const int64_t head_span = s.group() * s.head_dim;
   const int64_t span = s.num_reqs >= 4 * at::get_num_threads() ? s.num_kv_heads : 1;
   const int64_t spans = s.num_kv_heads / span;
@@ -350,9 +352,10 @@ Shape check_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
     TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() ||
+                  kv_cache.scalar_type() == at::kBFloat16,
+              "kv_cache must be of query's dtype, or bfloat16");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out: [rows, num_heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
@@ -381,10 +384,15 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, const at::Tensor& out) {
   const Shape s = check_inputs(query, kv_cache, block_tables, seq_lens, out);
-  if (query.scalar_type() == at::kBFloat16)
-    attend_all<c10::BFloat16>(query, kv_cache, block_tables, seq_lens, scale, out, s);
+  using BF16 = c10::BFloat16;
+  const bool bf16_query = query.scalar_type() == at::kBFloat16;
+  const bool bf16_cache = kv_cache.scalar_type() == at::kBFloat16;
+  if (bf16_query)
+    attend_all<BF16, BF16>(query, kv_cache, block_tables, seq_lens, scale, out, s);
+  else if (bf16_cache)
+    attend_all<float, BF16>(query, kv_cache, block_tables, seq_lens, scale, out, s);
   else
-    attend_all<float>(query, kv_cache, block_tables, seq_lens, scale, out, s);
+    attend_all<float, float>(query, kv_cache, block_tables, seq_lens, scale, out, s);
 }
 
 }  // namespace

@@ -1,42 +1,23 @@
 """Paged decode attention for CPU tensors: a C++ kernel that reads the KV blocks in place, built
-on first use (torch.utils.cpp_extension caches the build across processes)."""
+on first use (kernels/cpu_extension.py)."""
 
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels.cpu_extension import load_extension
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
 HEAD_DIM_MULTIPLE = 8  # the kernel reads head_dim in vectors of 8 floats
 
 
-def build(name: str, source: Path) -> None:
-    """Compile and load source's operators for this machine's vector extensions."""
-    from torch.utils.cpp_extension import load  # imports setuptools: only when first needed
-
-    load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
-
-
 @functools.cache
 def cpu_decode_attention_available() -> bool:
     """Build and load the kernel once; False, after one warning, when that fails."""
-    try:
-        build("asyncllm_cpu_decode_attention", SOURCE)
-    except Exception as error:  # no compiler, no ninja, a failed build: the torch path remains
-        logger.warning("CPU decode attention kernel unavailable (%s); using torch SDPA", error)
-        return False
-    return True
+    return load_extension(SOURCE, "torch SDPA")
 
 
 def paged_decode_attention_cpu(

@@ -55,17 +55,25 @@ def sdpa_reference(
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (query and output, cache): float32 over a bf16 cache is `--dtype bfloat16` on CPU
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])  # the kernel takes query heads 3 at a time
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: the kernel's generic head_dim
 def test_kernel_matches_sdpa_over_gathered_kv(
-    head_dim: int, group: int, block_size: int, dtype: torch.dtype
+    head_dim: int, group: int, block_size: int, dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(head_dim + group + block_size)
     randoms = torch.randint(2, 300, (5,), generator=gen).tolist()
     seq_lens = [1, block_size, block_size + 1, 2 * block_size, *randoms]
-    kv_cache, tables = paged_cache(seq_lens, block_size, head_dim, dtype, gen)
+    kv_cache, tables = paged_cache(seq_lens, block_size, head_dim, cache_dtype, gen)
     query = torch.randn(len(seq_lens), group * NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = paged_decode_attention_cpu(query, kv_cache, tables, lens, 0.3, torch.empty_like(query))
@@ -168,11 +176,12 @@ def test_backend_decodes_a_head_dim_off_the_kernels_vectors_on_torch() -> None:
         ([16, 17, 2], [16, 80, 130]),  # the longest query the kernel takes, and one past it
     ],
 )
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_backend_with_kernel_matches_its_torch_paths(
-    query_lens: list[int], seq_lens: list[int]
+    query_lens: list[int], seq_lens: list[int], cache_dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(1)
-    kv_cache, tables = paged_cache(seq_lens, 16, 64, torch.float32, gen)
+    kv_cache, tables = paged_cache(seq_lens, 16, 64, cache_dtype, gen)
     meta = step(query_lens, seq_lens, tables)
     query = torch.randn(sum(query_lens) + 2, 6, 64, generator=gen)  # two padding tokens
     out = TorchAttentionBackend().attend(query, kv_cache, meta, 0.125)

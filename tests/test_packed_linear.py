@@ -35,6 +35,23 @@ def test_packed_linear_matches_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 17, 333])
+def test_bf16_packed_linear_takes_and_gives_float32(bias: bool, rows: int) -> None:
+    """--dtype bfloat16 on CPU: the input and weight rounded to bf16, fp32 sums, an output
+    rounded to bf16 and returned in fp32 with the bias added there."""
+    torch.manual_seed(0)
+    linear = random_linear(96, 160, bias)
+    linear.quant_method = UnquantizedLinearMethod(torch.bfloat16)
+    x = torch.randn(rows, 96)
+    expected = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
+    process_weights_after_loading(linear)
+    assert linear.onednn_packed and linear.weight.dtype == torch.bfloat16
+    out = linear(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=8e-3, atol=8e-3)
+
+
 def test_packing_covers_nested_linears_and_keeps_the_rest() -> None:
     model = nn.Sequential(random_linear(8, 8), nn.Sequential(nn.ReLU(), random_linear(8, 4)))
     x = torch.randn(3, 8)

@@ -92,15 +92,19 @@ def write_compressed(preset: str, path: Path) -> transformers.LlamaForCausalLM:
     return model
 
 
-def load_ours(path: Path, quantization: str | None = None) -> torch.nn.Module:
-    args = EngineArgs(model=str(path), device="cpu", quantization=quantization)
+def load_ours(path: Path, quantization: str | None = None, dtype: str = "auto") -> torch.nn.Module:
+    args = EngineArgs(model=str(path), device="cpu", quantization=quantization, dtype=dtype)
     return load_model(ModelConfig.from_args(args), TorchAttentionBackend())
 
 
 @torch.inference_mode()
-def our_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def our_logits(
+    model: torch.nn.Module, ids: torch.Tensor, cache_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     blocks = -(-len(ids) // 4)
-    caches = [torch.zeros(spec.shape(blocks, 4)) for spec in model.kv_cache_specs]
+    caches = [
+        torch.zeros(spec.shape(blocks, 4), dtype=cache_dtype) for spec in model.kv_cache_specs
+    ]
     meta = metadata([(0, len(ids))], [list(range(blocks))])
     hidden = model(ids, torch.arange(len(ids)), caches, meta)
     return model.compute_logits(hidden)

@@ -45,7 +45,8 @@ def write_latent_cache(
         kernels.write_latent_cache(latent, kv_cache, slot_mapping)
         return
     valid = slot_mapping >= 0
-    kv_cache[0].view(-1, latent.shape[1]).index_copy_(0, slot_mapping[valid], latent[valid])
+    latent = latent[valid].to(kv_cache.dtype)  # bfloat16 on CPU: a bf16 cache, fp32 latents
+    kv_cache[0].view(-1, latent.shape[1]).index_copy_(0, slot_mapping[valid], latent)
 
 
 def norm_rope_and_cache(

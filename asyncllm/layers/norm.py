@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.cpu_layer_ops import cpu_layer_ops_available, fused_add_rms_norm_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +25,17 @@ def fused_add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
+def _cpu_op_fits(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == residual.dtype == weight.dtype == torch.float32
+        and x.dim() == 2
+        and x.is_contiguous()
+        and residual.is_contiguous()
+        and cpu_layer_ops_available()
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -33,11 +45,17 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """On CUDA the Triton kernels; the fused one works in place on x and residual."""
+        """On CUDA the Triton kernels; the fused one works in place on x and residual, as does
+        the C++ op for float32 on CPU."""
         if residual is None:
             norm = kernels.rms_norm if x.is_cuda else rms_norm
             return norm(x, self.weight, self.eps)
-        fused = kernels.fused_add_rms_norm if x.is_cuda else fused_add_rms_norm
+        if x.is_cuda:
+            fused = kernels.fused_add_rms_norm
+        elif _cpu_op_fits(x, residual, self.weight):
+            fused = fused_add_rms_norm_cpu
+        else:
+            fused = fused_add_rms_norm
         return fused(x, residual, self.weight, self.eps)
 
     def normalize_(self, x: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.cpu_layer_ops import cpu_layer_ops_available, rotary_embedding_cpu
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -111,9 +112,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """On CUDA the Triton kernel rotates q and k in place (one launch for both)."""
+        """On CUDA the Triton kernel rotates q and k in place (one launch for both), on CPU a
+        C++ op (float32 heads, half-split pairs)."""
         if q.is_cuda:
             return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.interleaved)
+        if self._cpu_op_fits(q, k):
+            return rotary_embedding_cpu(positions, q, k, self.cos_sin_cache)
         cache, interleaved = self.cos_sin_cache, self.interleaved
         return (
             apply_rotary(q, positions, cache, interleaved),
@@ -125,3 +129,12 @@ class RotaryEmbedding(nn.Module):
         rotated_q, rotated_k = self(positions, q, k)
         q.copy_(rotated_q)  # on CUDA the same tensors: copy_ returns at once
         k.copy_(rotated_k)
+
+    def _cpu_op_fits(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        return (
+            not self.interleaved
+            and q.device.type == "cpu"
+            and q.dtype == k.dtype == self.cos_sin_cache.dtype == torch.float32
+            and q.dim() == k.dim() == 3
+            and cpu_layer_ops_available()
+        )

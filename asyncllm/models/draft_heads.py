@@ -53,7 +53,7 @@ def load_draft_head(
                 method, LlamaConfig.from_dict(raw), target, target_config, backend, names
             )
     _load_weights(head, folder)
-    head.to(target_config.dtype)  # the float tensors: d2t and token_map keep int64
+    head.to(target_config.compute_dtype)  # the float tensors: d2t and token_map keep int64
     head.eval()
     process_weights_after_loading(head)
     return head

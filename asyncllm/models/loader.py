@@ -19,6 +19,7 @@ from asyncllm.config import ModelConfig
 from asyncllm.layers.linear import LinearBase, LoadedWeight, process_weights_after_loading
 from asyncllm.layers.quantization import QuantizationConfig, get_quantization_config
 from asyncllm.layers.quantization.base import UnquantizedLinearMethod
+from asyncllm.layers.quantization.cpu_bf16 import CpuBf16Config
 from asyncllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from asyncllm.models.llama import Attention
 from asyncllm.models.registry import get_model_class
@@ -30,7 +31,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     model_class = get_model_class(config.hf_config)
     quant_config = quantization_of(config)
     check_kv_cache_scheme(checkpoint_quantization(config), config.kv_cache_dtype)
-    with torch.device(config.device), _default_dtype(config.dtype):
+    with torch.device(config.device), _default_dtype(config.compute_dtype):
         model = model_class(config.hf_config, backend, quant_config)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
@@ -40,7 +41,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
         missing |= {n for m in model.modules() if isinstance(m, LinearBase) for n in m.unloaded()}
         if missing:
             raise ValueError(f"model: the checkpoint lacks {', '.join(sorted(missing)[:5])}")
-    _cast_unquantized(model, config.dtype)
+    _cast_unquantized(model, config.compute_dtype)
     model.eval()
     process_weights_after_loading(model)
     if config.load_format != "dummy" and config.device.type == "cpu":
@@ -59,8 +60,17 @@ def checkpoint_quantization(config: ModelConfig) -> dict | None:
 
 
 def quantization_of(config: ModelConfig) -> QuantizationConfig | None:
-    """From the checkpoint's quantization_config, else from --quantization (fp8 at load)."""
-    return get_quantization_config(checkpoint_quantization(config), config.quantization)
+    """From the checkpoint's quantization_config, else from --quantization (fp8 at load); for
+    bfloat16 on CPU, bf16 weights under fp32 activations."""
+    quantization = get_quantization_config(checkpoint_quantization(config), config.quantization)
+    if config.compute_dtype == config.dtype:
+        return quantization
+    if quantization is not None:
+        raise ValueError(
+            f"dtype {config.dtype} on CPU stores the linear weights in bf16 under float32 "
+            f"activations; it does not combine with quantization {quantization.name!r}"
+        )
+    return CpuBf16Config.for_this_cpu()
 
 
 # what a compressed-tensors kv_cache_scheme must say for the e4m3 cache of --kv-cache-dtype fp8

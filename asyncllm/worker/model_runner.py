@@ -86,13 +86,14 @@ def make_attention_backend(name: str) -> AttentionBackend:
 
 
 def start_kernel_build(backend: AttentionBackend, device: torch.device) -> threading.Thread | None:
-    """The CPU decode kernel's build in a thread beside the model's load (the compiler and ninja
-    run on another core): the first request waited for it, 15 s on a fresh install."""
+    """The CPU decode kernel's and layer ops' builds in a thread beside the model's load (the
+    compiler and ninja run on another core): the first request waited for it, 15 s on a fresh
+    install. Joined before the first forward, which would otherwise load the ops a second time."""
     from asyncllm.attention.torch_backend import TorchAttentionBackend
 
     if device.type != "cpu" or not isinstance(backend, TorchAttentionBackend):
         return None
-    thread = threading.Thread(target=backend.build_cpu_kernel, name="kernel-build", daemon=True)
+    thread = threading.Thread(target=backend.build_cpu_kernels, name="kernel-build", daemon=True)
     thread.start()
     return thread
 

@@ -59,6 +59,12 @@ def single_cuda_row(x: torch.Tensor) -> bool:
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
+    def __init__(self, cpu_weight_dtype: torch.dtype = torch.float32) -> None:
+        """cpu_weight_dtype: what an fp32 weight on CPU is packed in; bfloat16 runs the GEMM on
+        bf16 inputs (the activations rounded) with fp32 sums, its output back in fp32
+        (cpu_bf16.py)."""
+        self.cpu_weight_dtype = cpu_weight_dtype
+
     def create_weights(
         self,
         layer: nn.Module,
@@ -78,7 +84,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return
         if not torch.backends.mkldnn.is_available():
             return
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+        weight = weight.detach().to(self.cpu_weight_dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
         # a tied lm_head gets its own packed copy: the embedding keeps the dense parameter
         del layer.weight
         layer.register_buffer("weight", packed)
@@ -88,24 +95,26 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if getattr(layer, "onednn_packed", False):
-            return _packed_linear(x, layer.weight, bias)
+            return packed_linear(x, layer.weight, bias)
         if single_cuda_row(x):
             return kernels.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
-def _packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # oneDNN keeps memory for every row count it has seen (RSS grew without bound under random
     # request lengths): pad the rows up to one of a few dozen sizes, at most 1/8 more
-    rows = x.shape[0]
+    rows, dtype = x.shape[0], x.dtype
     padded = padded_rows(rows)
+    x = x.to(weight.dtype)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
-    # dense in, dense out: no to_mkldnn / to_dense conversions around the GEMM
-    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return out[:rows]
+    if dtype == weight.dtype:
+        # dense in, dense out: no to_mkldnn / to_dense conversions around the GEMM
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
+    # bf16 weights under fp32 activations: the output and its bias in fp32
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")[:rows].to(dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def padded_rows(rows: int) -> int:

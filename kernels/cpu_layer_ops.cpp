@@ -1,0 +1,156 @@
+// A decoder layer's per-token float32 ops on CPU, in place and in one pass each, as the Triton
+// kernels do them on a GPU (the norm, the rotary, the KV cache write): at a decode step's 17 rows torch's versions of these ran 10-50 us of
+// a layer in small ops (the rotary's index, chunks, multiplies and cat for q and for k), each a
+// pass over memory and a dispatch (bench/NOTES.md).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// a decode step's rows (microseconds of work) in the calling thread, a prompt's split over threads
+constexpr int64_t kRowsPerTask = 64;
+
+// residual += x; x = residual / rms(residual) * weight, row by row.
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  for (const at::Tensor* t : {&x, &residual, &weight})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "fused_add_rms_norm: contiguous float32 CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1),
+              "fused_add_rms_norm: x and residual [rows, hidden], weight [hidden]");
+  const int64_t hidden = x.size(1);
+  float* xs = x.mutable_data_ptr<float>();
+  float* rs = residual.mutable_data_ptr<float>();
+  const float* w = weight.const_data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xs + r * hidden;
+      float* rr = rs + r * hidden;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float sum = xr[i] + rr[i];
+        rr[i] = sum;
+        squares += sum * sum;
+      }
+      const float inverse_rms = 1.f / std::sqrt(squares / hidden + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) xr[i] = rr[i] * inverse_rms * w[i];
+    }
+  });
+}
+
+// Each head of x [tokens, heads, head_dim] (rows may be strided) rotated by its token's angles:
+// the pairs (i, i + head_dim / 2), cos in the first half of the cache's row, sin in the second.
+void rotate_heads(const at::Tensor& x, const int64_t* positions, const float* cos_sin,
+                  int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == head_dim && x.stride(2) == 1,
+              "rotary_embedding: q and k [tokens, heads, head_dim], head_dim contiguous");
+  const int64_t half = head_dim / 2, heads = x.size(1);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  float* base = x.mutable_data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cos_sin + positions[t] * head_dim;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* first = base + t * token_stride + h * head_stride;
+        float* second = first + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = first[i], b = second[i];
+          first[i] = a * cos[i] - b * sin[i];
+          second[i] = b * cos[i] + a * sin[i];
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& cos_sin_cache) {
+  for (const at::Tensor* t : {&q, &k, &cos_sin_cache})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "rotary_embedding: float32 CPU q, k and cos_sin_cache");
+  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && positions.size(0) == q.size(0) &&
+                  positions.size(0) == k.size(0),
+              "rotary_embedding: contiguous int64 positions, one per token of q and k");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.size(1) % 2 == 0,
+              "rotary_embedding: a contiguous [max_position, head_dim] cos_sin_cache");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t limit = cos_sin_cache.size(0);
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < limit, "rotary_embedding: position ", pos[t],
+                " is outside 0..", limit - 1);
+  const float* cos_sin = cos_sin_cache.const_data_ptr<float>();
+  rotate_heads(q, pos, cos_sin, cos_sin_cache.size(1));
+  rotate_heads(k, pos, cos_sin, cos_sin_cache.size(1));
+}
+
+template <typename cache_t>
+void write_rows(const at::Tensor& source, cache_t* plane, const int64_t* slots) {
+  const int64_t heads = source.size(1), head_dim = source.size(2), row = heads * head_dim;
+  const float* base = source.const_data_ptr<float>();
+  at::parallel_for(0, source.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* from = base + t * source.stride(0) + h * source.stride(1);
+        cache_t* to = plane + slots[t] * row + h * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) to[d] = static_cast<cache_t>(from[d]);
+      }
+    }
+  });
+}
+
+// Each token's key and value [tokens, kv_heads, head_dim] (rows may be strided) into its slot
+// of a float32 or bfloat16 cache [2, blocks, block_size, kv_heads, head_dim]; slots < 0 are
+// padding, skipped.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
+                    t->stride(2) == 1 && t->sizes() == key.sizes(),
+                "write_kv_cache: float32 CPU key and value [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.is_contiguous() && kv_cache.size(3) == key.size(1) &&
+                  kv_cache.size(4) == key.size(2),
+              "write_kv_cache: a contiguous [2, blocks, block_size, kv_heads, head_dim] cache");
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0),
+              "write_kv_cache: contiguous int64 slot_mapping, one per token");
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t limit = kv_cache.size(1) * kv_cache.size(2);
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t)
+    TORCH_CHECK(slots[t] < limit, "write_kv_cache: slot ", slots[t], " is past the cache's ",
+                limit);
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    auto* keys = kv_cache.mutable_data_ptr<c10::BFloat16>();
+    write_rows(key, keys, slots);
+    write_rows(value, keys + kv_cache.stride(0), slots);
+  } else {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "write_kv_cache: a float32 or bf16 cache");
+    auto* keys = kv_cache.mutable_data_ptr<float>();
+    write_rows(key, keys, slots);
+    write_rows(value, keys + kv_cache.stride(0), slots);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(asyncllm_cpu_layer, m) {
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
+}

@@ -1,0 +1,44 @@
+"""A decoder layer's per-token float32 ops on CPU, in place (kernels/cpu_layer_ops.cpp): the
+residual add with the RMSNorm, the rotary embedding of q and k, and the KV cache write."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_extension import load_extension
+
+SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
+
+
+@functools.cache
+def cpu_layer_ops_available() -> bool:
+    """Build and load the ops once; False, after one warning, when that fails."""
+    return load_extension(SOURCE, "torch's ops")
+
+
+def fused_add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), IN PLACE: x holds the first, residual the second."""
+    torch.ops.asyncllm_cpu_layer.fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_embedding_cpu(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] (strided views of qkv) rotated IN PLACE, the pairs
+    (i, i + D / 2)."""
+    torch.ops.asyncllm_cpu_layer.rotary_embedding(positions, q, k, cos_sin_cache)
+    return q, k
+
+
+def write_kv_cache_cpu(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """float32 key and value [T, Hk, D] (strided views of qkv) into their slots of a float32 or
+    bf16 cache; slots < 0 are padding and skipped."""
+    torch.ops.asyncllm_cpu_layer.write_kv_cache(key, value, kv_cache, slot_mapping)

@@ -1,0 +1,88 @@
+"""The C++ layer ops on CPU (kernels/cpu_layer_ops.cpp) against the torch functions they stand in
+for, and the layers that take them: in place, as the Triton kernels work on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm
+from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
+from kernels.cpu_layer_ops import (
+    cpu_layer_ops_available,
+    fused_add_rms_norm_cpu,
+    rotary_embedding_cpu,
+    write_kv_cache_cpu,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_ops() -> None:
+    assert cpu_layer_ops_available()
+
+
+@pytest.mark.parametrize("rows, hidden", [(0, 64), (1, 7), (17, 576), (300, 576)])
+def test_fused_add_rms_norm_matches_torch_in_place(rows: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x, residual = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    weight = torch.randn(hidden, generator=gen)
+    ref_out, ref_sum = fused_add_rms_norm(x, residual, weight, 1e-5)
+    out, summed = fused_add_rms_norm_cpu(x, residual, weight, 1e-5)
+    assert out.data_ptr() == x.data_ptr() and summed.data_ptr() == residual.data_ptr()
+    assert torch.equal(summed, ref_sum)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_matches_torch_on_qkv_slices_in_place(head_dim: int) -> None:
+    num_tokens, num_heads, num_kv_heads = 20, 9, 3
+    rotary = RotaryEmbedding(head_dim, 4096, 1e5, None)
+    gen = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    heads = num_heads + 2 * num_kv_heads
+    qkv = torch.randn(num_tokens, heads, head_dim, generator=gen)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    cache = rotary.cos_sin_cache
+    expected = (apply_rotary(q, positions, cache), apply_rotary(k, positions, cache), v.clone())
+    rotary_embedding_cpu(positions, q, k, rotary.cos_sin_cache)
+    for got, want in zip((q, k, v), expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_rejects_a_position_past_its_cache() -> None:
+    rotary = RotaryEmbedding(64, 16, 1e4, None)
+    q, k = torch.randn(1, 2, 64), torch.randn(1, 1, 64)
+    with pytest.raises(RuntimeError, match="position 16"):
+        rotary_embedding_cpu(torch.tensor([16]), q, k, rotary.cos_sin_cache)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_fills_the_slots_and_skips_padding(cache_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 6, 8, generator=gen)  # 2 query heads, 2 KV heads of 8
+    _, key, value = qkv.split([2, 2, 2], dim=1)
+    cache = torch.zeros(2, 4, 4, 2, 8, dtype=cache_dtype)
+    slots = torch.tensor([3, -1, 14, 0, 9])
+    write_kv_cache_cpu(key, value, cache, slots)
+    expected = torch.zeros_like(cache)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0].view(-1, 2, 8)[slot] = key[t].to(cache_dtype)
+            expected[1].view(-1, 2, 8)[slot] = value[t].to(cache_dtype)
+    assert torch.equal(cache, expected)
+
+
+def test_kv_cache_write_rejects_a_slot_past_the_cache() -> None:
+    key = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="slot 16"):
+        write_kv_cache_cpu(key, key, torch.zeros(2, 4, 4, 2, 8), torch.tensor([16]))
+
+
+def test_layers_take_the_ops_for_float32_on_cpu() -> None:
+    norm, rotary = RMSNorm(64, 1e-6), RotaryEmbedding(64, 128, 1e4, None)
+    x, residual = torch.randn(3, 64), torch.randn(3, 64)
+    out, summed = norm(x, residual)
+    assert out.data_ptr() == x.data_ptr() and summed.data_ptr() == residual.data_ptr()
+    q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
+    rotated_q, rotated_k = rotary(torch.tensor([0, 5, 9]), q, k)
+    assert rotated_q.data_ptr() == q.data_ptr() and rotated_k.data_ptr() == k.data_ptr()
