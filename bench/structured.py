@@ -317,7 +317,7 @@ def grammar_process_holds(llm, batch: int) -> bool:
     """Whether every request's rows are filled where they will be in the steady state: by the
     grammar process once it has compiled their schemas, or here without one."""
     matchers = llm.core_client.core.executor.model_runner.grammar_matchers
-    return matchers.process is None or matchers.num_held_by_process >= batch
+    return matchers is None or matchers.process is None or matchers.num_held_by_process >= batch
 
 
 def part_step(batch: int, steps: int, tokenizer: Path | None) -> dict:
