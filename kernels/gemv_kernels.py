@@ -206,9 +206,11 @@ def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
 
 def fp8_gemv_config(n: int, k: int) -> GemvConfig:
     """FP8_GEMV_BY_SHAPE's, else four e4m3 rows a program (half as long in bytes, they give a
-    program bf16's two rows' bytes)."""
+    program bf16's two rows' bytes) in K tiles of up to 2,048 values on 4 warps: the fastest
+    on each of Llama-3.1-8B's four projections (fp8_gemm_sweep_h200.json: 60.4 us over the
+    four against 68.0 with bf16's 4,096 values on 8 warps, 1.79x the bf16 GEMV)."""
     table = configs_by_shape(FP8_GEMV_BY_SHAPE_ENV, tuple(FP8_GEMV_BY_SHAPE.items()), GemvConfig)
-    return table.get((n, k)) or choose_gemv_config(n, k, block_n=4)
+    return table.get((n, k)) or GemvConfig(block_n=4, block_k=min(next_pow2(k), 2048))
 
 
 def _launch(
