@@ -36,7 +36,7 @@ def padded_tiny_model_dir(default_model_dir, tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("padded-llama"), default_model_dir, 2 * 49152)
 
 
-def save_tiny_llama(path, tokenizer_dir, vocab_size: int):
+def save_tiny_llama(path, tokenizer_dir, vocab_size: int, max_position_embeddings: int = 512):
     config = transformers.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -44,7 +44,7 @@ def save_tiny_llama(path, tokenizer_dir, vocab_size: int):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,

@@ -10,6 +10,7 @@ import time
 import aiohttp
 import orjson
 import pytest
+from conftest import save_tiny_llama
 from test_server_nginx import NGINX, proxy  # noqa: F401 (the nginx fixture, on this server)
 from test_server_support import ServerProcess, parse_metrics, sse_fields, tiny_server_args
 
@@ -17,6 +18,9 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (n
 
 PREFIX = "/llm"
 RETENTION_S = 3.0
+# Long enough that no machine generates it within the retention window: the unread stream must
+# still be running when the window ends.
+UNREAD_MAX_TOKENS = 16_000
 GREEDY = {"temperature": 0, "max_tokens": 60, "ignore_eos": True, "stream": True}
 RESUMABLE = {**GREEDY, "stream_options": {"resumable": True}}
 BODIES = {
@@ -26,13 +30,21 @@ BODIES = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def server(default_model_dir, tmp_path_factory):
+    model_dir = save_tiny_llama(
+        tmp_path_factory.mktemp("long-llama"), default_model_dir, 49152, 16_384
+    )
     log = tmp_path_factory.mktemp("server") / "server.log"
     store = f"sqlite:///{log.parent / 'responses.sqlite3'}"
-    extra = ("--root-path", PREFIX, "--stream-retention", str(RETENTION_S))
-    process = ServerProcess(
-        log, *tiny_server_args(tiny_model_dir, *extra, "--response-store", store)
+    extra = (
+        "--root-path",
+        PREFIX,
+        "--stream-retention",
+        str(RETENTION_S),
+        "--max-model-len",
+        "16384",
     )
+    process = ServerProcess(log, *tiny_server_args(model_dir, *extra, "--response-store", store))
     yield process.start()
     process.stop()
 
@@ -135,7 +147,7 @@ async def test_starting_after_replays_a_finished_stream(proxy) -> None:  # noqa:
 
 
 async def test_a_stream_nobody_reads_is_cancelled_after_the_retention(server, proxy) -> None:  # noqa: F811
-    body = {"prompt": "go", "stream": True, "max_tokens": 440, "ignore_eos": True}
+    body = {"prompt": "go", "stream": True, "max_tokens": UNREAD_MAX_TOKENS, "ignore_eos": True}
     body["stream_options"] = {"resumable": True}
     async with aiohttp.ClientSession() as session:
         idle = await until_idle(session, server.url)
