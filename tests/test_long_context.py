@@ -6,6 +6,7 @@ graphs (decode graphs captured for max_model_len)."""
 
 from __future__ import annotations
 
+import inspect
 import random
 from pathlib import Path
 
@@ -49,9 +50,14 @@ def write_long_model(path: Path, hidden_size: int, num_heads: int, head_dim: int
 def hf_greedy_logprobs(model, prompt: list[int], n: int, chunk: int = 8192) -> list[torch.Tensor]:
     """Greedy decoding with HF's KV cache, the prompt fed in chunks; each step's log-softmax."""
     cache = transformers.DynamicCache()
+    # newer transformers (5.24 here) call it cache and warn at past_key_values; the GPU image's
+    # 5.17 knows only past_key_values and drops `cache` unseen (each step then had no context)
+    keyword = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
 
     def forward(ids: list[int]) -> torch.Tensor:
-        out = model(torch.tensor([ids], device=model.device), cache=cache)
+        out = model(torch.tensor([ids], device=model.device), **{keyword: cache})
         return out.logits[0, -1].float().log_softmax(-1).cpu()
 
     for start in range(0, len(prompt), chunk):
