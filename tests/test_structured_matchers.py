@@ -5,11 +5,16 @@ the step before without holding up the launch."""
 import json
 import random
 import threading
+import time
 
 import pytest
 import torch
 import xgrammar as xgr
 
+from asyncllm.sampling_params import StructuredOutputsParams
+from asyncllm.structured_output.compiler import GrammarCompiler
+from asyncllm.structured_output.grammar_process import Adopt, Step, _HeldGrammars
+from asyncllm.structured_output.masks import allow_all
 from asyncllm.structured_output.matchers import ConstrainedRow, GrammarMatchers
 
 VOCAB = ["{", "}", '"', "a", "b", "ab", ":", ",", " ", "1", "2", "true", "false", "[", "]", "</s>"]
@@ -96,3 +101,42 @@ def test_fill_waits_for_the_step_before_on_its_own_thread(grammars) -> None:
     step.ran.set()
     assert allowed_ids(matchers.bitmask(after, 1).words[0]) == [EOS]
     assert step.waited_on.startswith("grammar-fill")
+
+
+def test_allow_all_writes_exactly_the_listed_runs_of_rows() -> None:
+    buffer = torch.zeros(12, 3, dtype=torch.int32)
+    allow_all(buffer, [0, 1, 4, 6, 9], [1, 3, 2, 1, 2])  # runs 0-3, 4-5 and 6 adjacent; 9-10
+    allowed = [r for r in range(12) if bool((buffer[r] == -1).all())]
+    assert allowed == [0, 1, 2, 3, 4, 5, 6, 9, 10]
+    assert int(buffer[[7, 8, 11]].abs().sum()) == 0
+
+
+def ready_after(held: _HeldGrammars, step: Step, steps: int = 5) -> list[str]:
+    """The ids reported ready by `step` and the empty steps after it, once every request
+    held has compiled."""
+    ready = held.step(step)
+    deadline = time.monotonic() + 10
+    while any(h.state is None for h in held._held.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        ready += held.step(Step())
+    for _ in range(steps):
+        ready += held.step(Step())
+    return ready
+
+
+def test_the_grammar_process_starts_each_adopted_request_once() -> None:
+    """Its requests compile in a pool; each is reported ready in one step only, again when it is
+    adopted again (from the outputs it is sent then), and a forgotten one is gone."""
+    info = xgr.TokenizerInfo(VOCAB, vocab_size=len(VOCAB), stop_token_ids=[EOS])
+    compiler = GrammarCompiler(lambda: info)
+    held = _HeldGrammars(xgr.allocate_token_bitmask(4, len(VOCAB)), compiler, 1)
+    constraint = StructuredOutputsParams(regex="(ab|1)+2")
+    adopt = [Adopt(name, constraint, None, [], []) for name in ("a", "b")]
+    assert sorted(ready_after(held, Step(adopt=adopt))) == ["a", "b"]
+    again = Step(forget=["b"], adopt=[Adopt("a", constraint, None, [], [5])])
+    assert ready_after(held, again) == ["a"]
+    assert list(held._held) == ["a"] and held._held["a"].state.num_accepted == 1
+    held.step(Step(accepts=[("a", [9])], rows=[("a", 1, ())]))
+    # after "ab" "1": "a" (of "ab"), "ab", "1" or "2"
+    assert allowed_ids(held._masks[1]) == [3, 5, 9, 10]
+    compiler.shutdown()

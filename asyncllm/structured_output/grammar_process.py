@@ -27,7 +27,7 @@ import xgrammar as xgr
 
 from asyncllm.sampling_params import ReasoningMarkers, StructuredOutputsParams
 from asyncllm.structured_output.compiler import GrammarCompiler
-from asyncllm.structured_output.masks import fill_masks
+from asyncllm.structured_output.masks import allow_all, fill_masks
 from asyncllm.structured_output.state import GrammarState, accept_in_batch
 
 
@@ -74,14 +74,17 @@ class _HeldGrammars:
         self._compiler = compiler
         self._batch = xgr.BatchGrammarMatcher(num_threads)
         self._held: dict[str, _Held] = {}
+        self._compiling: dict[str, _Held] = {}  # of those, the ones without a state yet
 
     def step(self, step: Step) -> list[str]:
         """The ids whose grammar became ready in this step."""
         for request_id in step.forget:
             self._held.pop(request_id, None)
+            self._compiling.pop(request_id, None)
         for adopted in step.adopt:
             grammar = self._compiler.submit(adopted.constraint)
-            self._held[adopted.request_id] = _Held(adopted, grammar, list(adopted.output_token_ids))
+            held = _Held(adopted, grammar, list(adopted.output_token_ids))
+            self._held[adopted.request_id] = self._compiling[adopted.request_id] = held
         ready = self._start_compiled()
         moves = []
         for request_id, token_ids in step.accepts:
@@ -97,23 +100,23 @@ class _HeldGrammars:
 
     def _start_compiled(self) -> list[str]:
         started = []
-        for request_id, held in self._held.items():
+        for request_id, held in self._compiling.items():
             # a constraint it cannot compile (the worker's did) leaves the request there
-            compiled = held.grammar.done() and held.grammar.exception() is None
-            if held.state is None and compiled:
+            if held.grammar.done() and held.grammar.exception() is None:
                 adopted = held.adopted
                 held.state = GrammarState(
                     held.grammar.result(), adopted.reasoning, adopted.prompt_token_ids
                 )
                 held.state.accept_all(held.waiting)
                 started.append(request_id)
+        for request_id in started:
+            del self._compiling[request_id]
         return started
 
     def _fill(self, rows: list[RemoteRow]) -> None:
         states = [self._held[request_id].state for request_id, _, _ in rows]
         firsts, drafts = [first for _, first, _ in rows], [d for _, _, d in rows]
-        indices = [first + j for first, d in zip(firsts, drafts) for j in range(len(d) + 1)]
-        self._masks[indices] = -1  # every token allowed
+        allow_all(self._masks, firsts, [len(d) + 1 for d in drafts])
         fill_masks(self._batch, self._masks, states, firsts, drafts)
 
 

@@ -36,6 +36,20 @@ def fill_masks(
             state.roll_back_drafts()
 
 
+def allow_all(buffer: torch.Tensor, firsts: Sequence[int], counts: Sequence[int]) -> None:
+    """Rows firsts[i] : firsts[i] + counts[i] of buffer allow every token, written a run of
+    adjacent rows at a time (one index_put of 256 listed rows took 150 us, a slice 10)."""
+    start = end = None
+    for first, count in zip(firsts, counts):
+        if first != end:
+            if start is not None:
+                buffer[start:end] = -1
+            start = first
+        end = first + count
+    if start is not None:
+        buffer[start:end] = -1
+
+
 def _fill_batched(
     batch: xgr.BatchGrammarMatcher, buffer: torch.Tensor, rows: list[tuple[GrammarState, int]]
 ) -> None:
