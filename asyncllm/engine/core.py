@@ -19,6 +19,7 @@ from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.debugging import log_scheduler, profiler_dir
+from asyncllm.engine.gil import shorten_switch_interval
 from asyncllm.engine.messages import (
     CoreStep,
     EngineCoreOutput,
@@ -57,6 +58,7 @@ class _CompilingRequest:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        shorten_switch_interval()  # its threads hand the GIL to each other every step
         self.executor: Executor = create_executor(config)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching

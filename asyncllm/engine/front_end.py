@@ -8,6 +8,7 @@ import dataclasses
 from asyncllm.config import EngineArgs
 from asyncllm.core.scheduler import check_fits
 from asyncllm.engine.core_client import CoreClient
+from asyncllm.engine.gil import shorten_switch_interval
 from asyncllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from asyncllm.engine.messages import CoreStep, EngineCoreRequest, EngineStats
 from asyncllm.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -21,6 +22,7 @@ class FrontEnd:
         """core_process_allowed: the caller reads the core's steps asynchronously, so the core
         may run in a process of its own (config.engine_process)."""
         self.config = args.create_engine_config()
+        shorten_switch_interval()  # the event loop and the threads reading the core's steps
         # built here so that a bad --override-generation-config fails before the model loads
         self._default_sampling_params = SamplingParams(**self.config.model.sampling_defaults)
         self.tokenizer = load_tokenizer(self.config.model)
