@@ -15,6 +15,9 @@
 #   bench/h200_session.sh moe OUT         MoE/MLA GPU tests, fused-MoE tile sweep at decode sizes,
 #                                         and kernel figures per shape
 #   bench/h200_session.sh moe_offline OUT  the offline workload per MoE/MLA shape
+#   bench/h200_session.sh round4 OUT      the long-context and attention GPU tests, the GIL
+#                                         hand-off on the host, the structured step and
+#                                         speculation after the switch interval
 #   bench/h200_session.sh round3 OUT      GPU tests of the FP8 cache and speculation; speculation
 #                                         at batch 1 and 32 and its batch-1 host profile; the
 #                                         structured step masked with a real tokenizer
@@ -119,6 +122,19 @@ round3)
     --tokenizer .tok/SmolLM2-135M-Instruct \
     --out "$out/structured_step_h200.json" > "$out/structured_step_h200.txt" 2>&1
   tail -4 "$out/structured_step_h200.txt"
+  ;;
+round4)  # the GIL hand-off (asyncllm/engine/gil.py) and the tests fixed without a device
+  timeout 120 python3 -m pytest -rf -q -p no:cacheprovider tests/test_long_context.py \
+    tests/test_kernels_attention.py tests/test_gil.py > "$out/gpu_tests_round4_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_round4_h200.txt"
+  python3 bench/gil_handoff.py --out "$out/gil_handoff_h200host.json" | tail -4
+  timeout 120 python3 bench/structured.py --part step --batch 256 --steps 40 \
+    --tokenizer .tok/SmolLM2-135M-Instruct \
+    --out "$out/structured_step_real_tokenizer_h200.json" > "$out/structured_step_h200.txt" 2>&1
+  tail -4 "$out/structured_step_h200.txt"
+  timeout 150 python3 bench/spec_decode.py --shape llama-3.1-8b --out "$out/spec_decode_h200.json" \
+    > "$out/spec_decode_h200.txt" 2>&1
+  tail -4 "$out/spec_decode_h200.txt"
   ;;
 moe_offline)
   for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do
