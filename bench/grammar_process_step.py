@@ -100,7 +100,10 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
         "cpu": cpu_description(),
-        "versions": {"torch": torch.__version__, "xgrammar": importlib.metadata.version("xgrammar")},
+        "versions": {
+            "torch": torch.__version__,
+            "xgrammar": importlib.metadata.version("xgrammar"),
+        },
         "note": args.note,
         "batch": args.batch,
         "fill_threads": args.threads,
