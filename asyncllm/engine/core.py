@@ -58,7 +58,7 @@ class _CompilingRequest:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        shorten_switch_interval()  # its threads hand the GIL to each other every step
+        shorten_switch_interval(config.model.device)  # its threads hand the GIL over each step
         self.executor: Executor = create_executor(config)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching

@@ -22,7 +22,7 @@ class FrontEnd:
         """core_process_allowed: the caller reads the core's steps asynchronously, so the core
         may run in a process of its own (config.engine_process)."""
         self.config = args.create_engine_config()
-        shorten_switch_interval()  # the event loop and the threads reading the core's steps
+        shorten_switch_interval(self.config.model.device)  # the event loop, the core's readers
         # built here so that a bad --override-generation-config fails before the model loads
         self._default_sampling_params = SamplingParams(**self.config.model.sampling_defaults)
         self.tokenizer = load_tokenizer(self.config.model)
