@@ -134,7 +134,9 @@ def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
     fp8 = GemvConfig(block_n=8, block_k=2048, num_warps=4)
     monkeypatch.setenv("ASYNCLLM_FP8_GEMV", json.dumps({"4096x4096": dataclasses.asdict(fp8)}))
     tiles = Fp8GemmConfig(block_m=64, block_n=64, max_rows=256)
-    monkeypatch.setenv("ASYNCLLM_FP8_GEMM", json.dumps({"4096x4096": dataclasses.asdict(tiles)}))
+    partial_k = {"4096x1000": dataclasses.asdict(tiles)}  # K off the 128-wide tiles
+    by_shape = {"4096x4096": dataclasses.asdict(tiles), **partial_k}
+    monkeypatch.setenv("ASYNCLLM_FP8_GEMM", json.dumps(by_shape))
     configs_by_shape.cache_clear()
     try:
         assert gemv_config_for(1, 4096, 14336) == winner
@@ -145,6 +147,7 @@ def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
         assert kernels.fp8_rowwise_wins(256, 4096, 4096)
         assert not kernels.fp8_rowwise_wins(257, 4096, 4096)
         assert not kernels.fp8_rowwise_wins(256, 6144, 4096)
+        assert not kernels.fp8_rowwise_wins(64, 4096, 1000)
     finally:
         for name in ("ASYNCLLM_INT4_GEMV", "ASYNCLLM_FP8_GEMV", "ASYNCLLM_FP8_GEMM"):
             monkeypatch.delenv(name)
