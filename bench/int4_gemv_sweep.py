@@ -1,6 +1,6 @@
 """The 4-bit GEMV at one row on the Llama-3.1-8B projections: kernels.int4_gemm as it runs
 (its settings for the shape, GEMV_BY_SHAPE or GEMV_CONFIG) and over a sweep of its launch
-settings (Int4GemvConfig: tile columns, packed rows a tile, tiles loading ahead, warps, K splits),
+settings (Int4GemvConfig: tile columns, packed rows a slice, slices a tile, warps, K splits),
 each as weight bytes read per second against the copy bandwidth of the same run and against
 bf16's kernels.gemv. Every output is checked against the dequantized weights. The lines
 printed name the fastest settings per projection (the entries of GEMV_BY_SHAPE in
@@ -33,24 +33,22 @@ from kernels.int4_kernels import GEMV_BY_SHAPE, GEMV_CONFIG, Int4GemvConfig  # n
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 GROUP = 128
-# The last sweep's best (int4_gemv_sweep_h200.json: 64 or 32 columns, 16 packed rows, K in 4
-# parts, 18-52% of the copy bandwidth), and what should beat it: K unsplit (one launch instead
-# of a zero-fill, the kernel and a cast, about 2 us each in a graph against floors of 2-15 us)
-# with 2-4 tiles loading ahead of the one summed, so a program keeps 12-20 KB of W in flight.
-# 8 words of W a thread (ptxas for sm_90: 72-96 registers, 27-31 instructions a word, none
-# spilled); 4 words cost 34. 4096 outputs make 256 programs of 16 columns, 64 of 64
+# The depth-by-hand kernel (tiles loaded 1-4 ahead, 21c1a42-3b21767) lost to this one of
+# slices at the same tree's best (1.39x against 1.60x the bf16 GEMV over the four projections,
+# int4_gemv_sweep_{39c237c,a7a3157}_h200.json, one session): 16 columns, 8 slices, K unsplit,
+# 8 warps won three of the four. Its neighbours, and the earlier winners (64 or 32 columns,
+# K in 4 parts) as the reference
 CONFIGS = [
     Int4GemvConfig(block_n=32, block_r=16, splits=4, num_warps=2),
-    Int4GemvConfig(block_n=64, block_r=16, depth=2, splits=4, num_warps=4),
+    Int4GemvConfig(block_n=64, block_r=16, splits=4, num_warps=4),
     *(
-        Int4GemvConfig(block_n=bn, block_r=16, depth=d, splits=1, num_warps=w)
-        for bn, d, w in (
-            (16, 2, 1), (16, 4, 1), (16, 4, 2), (32, 2, 2), (32, 4, 2), (32, 4, 4),
-            (64, 2, 4), (64, 4, 4), (128, 2, 8), (128, 4, 8),
+        Int4GemvConfig(block_n=bn, block_r=16, slices=sl, splits=1, num_warps=w)
+        for bn, sl, w in (
+            (8, 8, 2), (8, 16, 4), (16, 4, 4), (16, 8, 4), (16, 8, 8), (16, 8, 16),
+            (16, 16, 8), (32, 8, 8), (32, 4, 8),
         )
     ),
-    Int4GemvConfig(block_n=32, block_r=16, depth=2, splits=2, num_warps=2),
-    Int4GemvConfig(block_n=64, block_r=16, depth=2, splits=2, num_warps=4),
+    Int4GemvConfig(block_n=16, block_r=16, slices=8, splits=2, num_warps=8),
 ]  # fmt: skip
 # weights rotated through copies of at least this many bytes, past the H200's 50 MB L2
 ROTATE_BYTES = 256 << 20

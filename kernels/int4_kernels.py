@@ -14,14 +14,12 @@ sm_90 loop has 25). In bf16 or fp16 on the GPU (inline PTX): OR-ing a pair of ni
 the mantissas of two halves of 128 (bf16) or 1024 (fp16) gives 128 + q exactly, one packed
 subtraction of 128 + z leaves q - z, and packed FMAs take the 8 values of a word against 8 of
 x; the word's two half sums are added in fp32. Elsewhere (fp32, or the CPU interpreter) the
-same sums run in fp32 with the nibbles widened through the mantissa of 2^23. A tile of
-BLOCK_R packed rows lies inside one group, its scale applied once per word; the rows' sums are
-kept apart until the end, so nothing crosses threads in the loop. The DEPTH tiles after the
-one being summed are already loading (Triton pipelines no plain loads: the tiles are passed
-along by hand), so a program keeps up to 4 of them in flight without splitting K. K is split
-in up to `splits` parts, their sums added atomically in fp32 (a zero-fill and a cast launch
-around the kernel); unsplit, the kernel writes the output in its dtype, one launch. W is read
-once whatever the rows: each word is unpacked once for all of them.
+same sums run in fp32 with the nibbles widened through the mantissa of 2^23. A tile is SLICES
+slices of BLOCK_R packed rows, each slice inside one group, its scale applied once per word;
+the rows' sums are kept apart until the end, so nothing crosses threads in the loop. K is
+split in up to `splits` parts, their sums added atomically in fp32 (a zero-fill and a cast
+launch around the kernel); unsplit, the kernel writes the output in its dtype, one launch.
+W is read once whatever the rows: each word is unpacked once for all of them.
 
 Larger batches unpack a [BLOCK_K, BLOCK_N] tile of W to the activations' dtype for a
 tensor-core dot.
@@ -97,24 +95,28 @@ _DOT_FP16 = tl.constexpr(_DOT.format(ty="f16x2", widen=_WIDEN_FP16))
 
 @dataclass(frozen=True)
 class Int4GemvConfig:
-    """Launch settings of the GEMV kernel: block_n columns and block_r packed rows (8 * block_r
-    of K, cut to the group) a tile, `depth` tiles loading ahead of the one summed (1-4), K in
-    up to `splits` parts."""
+    """Launch settings of the GEMV kernel: block_n columns and `slices` slices of block_r packed
+    rows (8 * block_r of K each, cut to the group) a tile, K in up to `splits` parts."""
 
     block_n: int = 64
     block_r: int = 16
-    depth: int = 1
+    slices: int = 1
     splits: int = 4
-    num_warps: int = 4  # the fastest over Llama-3.1-8B's projections: int4_gemv_sweep_h200.json
+    num_warps: int = 4
     num_stages: int = 1
 
 
 # What int4_gemm runs at one row: per (N, K) the settings a sweep found fastest
 # (bench/int4_gemv_sweep.py), GEMV_CONFIG for other shapes; ASYNCLLM_INT4_GEMV, the JSON
-# {"NxK": {Int4GemvConfig's fields}} the sweep writes, adds to and overrides the table. At 2-4
-# rows GEMV_ROWS_CONFIG: the sweep times one row.
-GEMV_CONFIG = Int4GemvConfig()
-GEMV_BY_SHAPE: dict[tuple[int, int], Int4GemvConfig] = {}
+# {"NxK": {Int4GemvConfig's fields}} the sweep writes, adds to and overrides the table. The
+# H200's sweep (int4_gemv_sweep_a7a3157_h200.json): 16 columns, 8 slices of a group, K
+# unsplit, 8 warps, 1.60x the bf16 GEMV over Llama-3.1-8B's four projections. At 2-4 rows
+# GEMV_ROWS_CONFIG: the one-row winners keep 16 words of W a thread in up to 212 registers,
+# and a second to fourth row's accumulators spill them (ptxas for sm_90).
+GEMV_CONFIG = Int4GemvConfig(block_n=16, block_r=16, slices=8, splits=1, num_warps=8)
+GEMV_BY_SHAPE: dict[tuple[int, int], Int4GemvConfig] = {
+    (28672, 4096): Int4GemvConfig(block_n=16, block_r=16, slices=4, splits=1, num_warps=4),
+}
 GEMV_ROWS_CONFIG = Int4GemvConfig()
 GEMV_BY_SHAPE_ENV = "ASYNCLLM_INT4_GEMV"
 
@@ -224,19 +226,15 @@ def _half_dot(d0, d1, d2, d3, x0, x1, x2, x3, HALF: tl.constexpr):
 
 
 @triton.jit
-def _row_dot(x_ptr, row: tl.constexpr, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN):
-    """[BLOCK_R, BLOCK_N]: row `row` of x's sum over each word of packed (packed rows r,
-    [BLOCK_R, 1]) of x times q - zero: from the words' (q - z) pairs d when HALF (x_ptr is x as
-    int32 pairs), else in fp32 from packed (d unused). EVEN: every word valid, only the row may
-    be past M."""
-    k = r * 8
-    if HALF != NO_HALF and EVEN and row == 0:  # x's first row always exists: no mask, no fill
-        pairs = x_ptr + r * 4
-        x0, x1 = tl.load(pairs), tl.load(pairs + 1)
-        return _half_dot(d0, d1, d2, d3, x0, x1, tl.load(pairs + 2), tl.load(pairs + 3), HALF)
+def _row_dot(x_ptr, row, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN):
+    """[SLICES, BLOCK_R, BLOCK_N]: row `row` of x's sum over each word of packed (packed rows r,
+    [SLICES, BLOCK_R, 1]) of x times q - zero: from the words' (q - z) pairs d when HALF (x_ptr
+    is x as int32 pairs), else in fp32 from packed (d unused). EVEN: every word valid, only the
+    row may be past M."""
     mask = r * 0 + row < M
     if not EVEN:
         mask = mask & r_mask
+    k = r * 8
     if HALF != NO_HALF:
         pairs = x_ptr + row * (K // 2) + r * 4
         x0 = tl.load(pairs, mask=mask if EVEN else mask & (k < K), other=0)
@@ -254,20 +252,19 @@ def _row_dot(x_ptr, row: tl.constexpr, M, K, packed, d0, d1, d2, d3, zero, r, r_
 
 
 @triton.jit
-def _w_tile(w_ptr, offsets, first, r_end, rs, N, col_mask, EVEN):
-    """The tile of W's packed rows first + rs ([BLOCK_R, 1]) before r_end, offsets [row, col]
-    from its first word. EVEN: whole tiles; a tile past the split's end would be masked, so the
-    callers ask for its last one again instead (from L2), and nothing is masked."""
-    if EVEN:
-        return tl.load(w_ptr + tl.minimum(first, r_end - rs.shape[0]) * N + offsets)
-    mask = (first + rs < r_end) & col_mask
-    return tl.load(w_ptr + first * N + offsets, mask=mask, other=0)
+def _w_tile(w_ptr, offsets, r, r_end, col_mask, EVEN):
+    """The packed rows r ([SLICES, BLOCK_R, 1]) of W's columns; w_ptr at the tile's first row,
+    offsets [slice, row, col] from it."""
+    mask = r < r_end
+    if not EVEN:
+        mask = mask & col_mask
+    return tl.load(w_ptr + offsets, mask=mask, other=0)
 
 
 @triton.jit
 def _store_row(out_ptr, row, M, N, cols, acc, SPLIT_K):
-    """Row `row` of out from its accumulator [BLOCK_R, BLOCK_N]."""
-    total = tl.sum(acc, axis=0)
+    """Row `row` of out from its accumulator [SLICES, BLOCK_R, BLOCK_N]."""
+    total = tl.sum(tl.sum(acc, axis=0), axis=0)
     mask = (cols < N) & (cols * 0 + row < M)
     if SPLIT_K:
         tl.atomic_add(out_ptr + row * N + cols, total, mask=mask)
@@ -290,50 +287,49 @@ def _int4_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    DEPTH: tl.constexpr,
+    SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr,
     HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out (+)= x[:, split] @ W[split] for the M rows (SPLIT_K: out fp32 and zeroed, else
-    out = x @ W in its dtype), BLOCK_R packed rows (8 * BLOCK_R of K, inside one group) a tile,
-    the DEPTH (1-4) tiles after the one being summed already loading. BLOCK_M is 1, 2 or 4, each
-    row its own accumulator (4 named: no tensor of them crosses the loop without a layout
-    change). EVEN: N a multiple of BLOCK_N, K of k_per_split."""
+    out = x @ W in its dtype), SLICES slices of BLOCK_R packed rows (8 * BLOCK_R of K, each
+    inside one group) a tile. BLOCK_M is 1, 2 or 4, each row its own accumulator (4 named: no
+    tensor of them crosses the loop without a layout change). EVEN: N a multiple of BLOCK_N, K
+    of k_per_split."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols[None, :] < N
-    rs = tl.arange(0, BLOCK_R)[:, None]
-    offsets = rs * N + cols[None, :]
+    out_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = out_cols[None, None, :]
+    col_mask = cols < N
+    # [slice, row, 1]: packed row slice * BLOCK_R + row of a tile, and each slice's first row
+    firsts = (tl.arange(0, SLICES) * BLOCK_R)[:, None, None]
+    rs = firsts + tl.arange(0, BLOCK_R)[None, :, None]
+    offsets = rs * N + cols
+    tile_rows = SLICES * BLOCK_R
     r_start = pid_k * (k_per_split // 8)
     r_end = tl.minimum(r_start + k_per_split // 8, tl.cdiv(K, 8))
-    acc0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((SLICES, BLOCK_R, BLOCK_N), dtype=tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
-    # no kernel writes W: its first tiles need no wait
-    t0 = _w_tile(qw_ptr, offsets, r_start, r_end, rs, N, col_mask, EVEN)
-    t1, t2, t3 = t0, t0, t0
-    if DEPTH > 1:
-        t1 = _w_tile(qw_ptr, offsets, r_start + BLOCK_R, r_end, rs, N, col_mask, EVEN)
-    if DEPTH > 2:
-        t2 = _w_tile(qw_ptr, offsets, r_start + 2 * BLOCK_R, r_end, rs, N, col_mask, EVEN)
-    if DEPTH > 3:
-        t3 = _w_tile(qw_ptr, offsets, r_start + 3 * BLOCK_R, r_end, rs, N, col_mask, EVEN)
+    # no kernel writes W: its first tile needs no wait
+    packed = _w_tile(qw_ptr + r_start * N, offsets, r_start + rs, r_end, col_mask, EVEN)
     if USE_PDL:  # the next kernel may start loading its weights; x is the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    for r0 in range(r_start, r_end, BLOCK_R):
-        packed = t0
-        ahead = r0 + DEPTH * BLOCK_R
-        following = _w_tile(qw_ptr, offsets, ahead, r_end, rs, N, col_mask, EVEN)
-        g = r0 // (GROUP_SIZE // 8)
-        scale = tl.load(s_ptr + g * N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        zero = tl.load(z_ptr + g * N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    for r0 in range(r_start, r_end, tile_rows):
+        r = r0 + rs
+        r_next = r0 + tile_rows
+        following = _w_tile(qw_ptr + r_next * N, offsets, r_next + rs, r_end, col_mask, EVEN)
+        # [slice, 1, col]: a slice's group's scales and zero points (masked past K: its words
+        # are zeros, x too, but a zero point's (q - z) pairs are not)
+        groups = (r0 + firsts) // (GROUP_SIZE // 8) * N + cols
+        group_mask = col_mask & (r0 + firsts < r_end)
+        scale = tl.load(s_ptr + groups, mask=group_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + groups, mask=group_mask, other=0.0).to(tl.float32)
         if HALF != NO_HALF:
             d0, d1, d2, d3 = _half_pairs(packed, zero, HALF)
         else:
             d0, d1, d2, d3 = packed, packed, packed, packed
-        r = r0 + rs
         r_mask = r < r_end
         acc0 += (
             _row_dot(x_ptr, 0, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN) * scale
@@ -352,20 +348,13 @@ def _int4_gemv_kernel(
                 _row_dot(x_ptr, 3, M, K, packed, d0, d1, d2, d3, zero, r, r_mask, HALF, EVEN)
                 * scale
             )
-        if DEPTH == 1:
-            t0 = following
-        elif DEPTH == 2:
-            t0, t1 = t1, following
-        elif DEPTH == 3:
-            t0, t1, t2 = t1, t2, following
-        else:
-            t0, t1, t2, t3 = t1, t2, t3, following
-    _store_row(out_ptr, 0, M, N, cols, acc0, SPLIT_K)
+        packed = following
+    _store_row(out_ptr, 0, M, N, out_cols, acc0, SPLIT_K)
     if BLOCK_M > 1:
-        _store_row(out_ptr, 1, M, N, cols, acc1, SPLIT_K)
+        _store_row(out_ptr, 1, M, N, out_cols, acc1, SPLIT_K)
     if BLOCK_M > 2:
-        _store_row(out_ptr, 2, M, N, cols, acc2, SPLIT_K)
-        _store_row(out_ptr, 3, M, N, cols, acc3, SPLIT_K)
+        _store_row(out_ptr, 2, M, N, out_cols, acc2, SPLIT_K)
+        _store_row(out_ptr, 3, M, N, out_cols, acc3, SPLIT_K)
 
 
 def int4_gemm(
@@ -424,7 +413,7 @@ def _gemv(x, qweight, scales, zeros, group_size, config):
     (m, k), n = x.shape, qweight.shape[1]
     # a tile takes one scale row: its packed rows a power of two dividing the group's
     block_r = min(config.block_r, (group_size // 8) & -(group_size // 8))
-    tile_k = 8 * block_r
+    tile_k = 8 * block_r * config.slices
     splits = min(config.splits, triton.cdiv(k, tile_k))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), tile_k) * tile_k
     splits = triton.cdiv(k, k_per_split)
@@ -448,7 +437,7 @@ def _gemv(x, qweight, scales, zeros, group_size, config):
         BLOCK_M=next_pow2(m),
         BLOCK_N=config.block_n,
         BLOCK_R=block_r,
-        DEPTH=config.depth,
+        SLICES=config.slices,
         SPLIT_K=splits > 1,
         EVEN=n % config.block_n == 0 and k % k_per_split == 0,
         HALF=half,

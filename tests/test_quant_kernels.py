@@ -102,17 +102,19 @@ def test_int4_gemv_launch_settings(m, k, n, config) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
-# tiles loaded 2-4 ahead: tiles of one word (group 8) and of one word in groups of 5 (group
-# 40), K and N ending mid-tile, the tiles ahead wholly past K, K split, and whole tiles (EVEN)
+# tiles of several slices: slices in different groups (a group of one word, of 5 words cut to
+# slices of 1, of 8 words two slices a tile), K and N ending mid-tile, a tile's last slice wholly
+# past K, K split in two, and whole tiles (EVEN)
 @pytest.mark.parametrize(("m", "k", "n", "group", "config"), [
-    (1, 200, 40, 8, Int4GemvConfig(block_n=16, block_r=4, depth=4, splits=1)),
-    (2, 520, 20, 64, Int4GemvConfig(block_n=8, block_r=8, depth=2, splits=1)),
-    (3, 1000, 48, 40, Int4GemvConfig(block_n=16, block_r=8, depth=3, splits=2)),
-    (4, 128, 16, 128, Int4GemvConfig(block_n=16, block_r=16, depth=4, splits=1)),
-    (1, 1024, 64, 128, Int4GemvConfig(block_n=32, block_r=16, depth=4, splits=1)),
+    (1, 200, 40, 8, Int4GemvConfig(block_n=16, block_r=4, slices=4, splits=1)),
+    (2, 520, 20, 64, Int4GemvConfig(block_n=8, block_r=8, slices=2, splits=1)),
+    (3, 1000, 48, 40, Int4GemvConfig(block_n=16, block_r=8, slices=8, splits=2)),
+    (4, 128, 16, 128, Int4GemvConfig(block_n=16, block_r=16, slices=2, splits=1)),
+    (1, 1024, 64, 128, Int4GemvConfig(block_n=32, block_r=16, slices=4, splits=1)),
+    (1, 4096, 32, 128, Int4GemvConfig(block_n=16, block_r=16, slices=8, splits=1, num_warps=8)),
 ])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_gemv_tiles_loaded_ahead(m, k, n, group, config, dtype) -> None:
+def test_int4_gemv_tiles_of_several_slices(m, k, n, group, config, dtype) -> None:
     """bf16 takes the packed path on the GPU (the fp32 one on the CPU)."""
     qweight, scales, zeros = int4_weights(k, n, group, dtype, seed=k + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(dtype).to(DEVICE)
@@ -129,7 +131,7 @@ def test_launch_settings_come_from_the_environment(monkeypatch) -> None:
     """A sweep's winners per projection shape run in the same session through the environment:
     the int4 GEMV's at one row (the 2-4 row settings stay), the FP8 GEMV's, the row-wise FP8
     GEMM's up to its rows."""
-    winner = Int4GemvConfig(block_n=8, block_r=4, depth=2, splits=1, num_warps=2)
+    winner = Int4GemvConfig(block_n=8, block_r=4, slices=2, splits=1, num_warps=2)
     monkeypatch.setenv("ASYNCLLM_INT4_GEMV", json.dumps({"4096x14336": dataclasses.asdict(winner)}))
     fp8 = GemvConfig(block_n=8, block_k=2048, num_warps=4)
     monkeypatch.setenv("ASYNCLLM_FP8_GEMV", json.dumps({"4096x4096": dataclasses.asdict(fp8)}))
@@ -194,12 +196,12 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from kernels.int4_kernels import _int4_gemv_kernel
-half, rows, even, depth = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+half, rows, even, slices = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 ty = "*bf16" if half == 1 else "*fp16"
 signature = {"x_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "out_ptr": "*fp32",
              "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
 constexprs = {"GROUP_SIZE": 128, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_R": 16,
-              "DEPTH": depth, "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
+              "SLICES": slices, "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
 signature.update(dict.fromkeys(constexprs, "constexpr"))
 source = ASTSource(_int4_gemv_kernel, signature, constexprs)
 try:
@@ -211,12 +213,12 @@ print("ok", binary.asm["ptx"].count("fma.rn."))
 """
 
 
-@pytest.mark.parametrize(("half", "rows", "even", "depth"), [(1, 1, True, 4), (2, 4, False, 1)])
-def test_int4_half_path_assembles_for_hopper(half, rows, even, depth) -> None:
+@pytest.mark.parametrize(("half", "rows", "even", "slices"), [(1, 1, True, 8), (2, 4, False, 1)])
+def test_int4_half_path_assembles_for_hopper(half, rows, even, slices) -> None:
     """The inline PTX (which the interpreter cannot run) goes through ptxas for sm_90, its
     packed FMAs (3 a word) in the kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-c", _ASSEMBLE, str(half), str(rows), str(int(even)), str(depth)]
+    args = [sys.executable, "-c", _ASSEMBLE, str(half), str(rows), str(int(even)), str(slices)]
     run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, check=True)
     status, detail = run.stdout.split(maxsplit=1)
     if status == "skip":
