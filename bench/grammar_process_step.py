@@ -34,11 +34,14 @@ from asyncllm.structured_output.grammar_process import Adopt, Step, _HeldGrammar
 from bench.structured_fill import cpu_description, random_walks, structured_bench  # noqa: E402
 
 
-def held_requests(batch: int, rounds: int, threads: int) -> tuple[_HeldGrammars, list, list]:
+def held_requests(
+    batch: int, rounds: int, threads: int, tokenizer: Path | None
+) -> tuple[_HeldGrammars, list, list]:
     """The process's state with `batch` requests adopted and compiled, each some tokens into
-    its walk; their walks and starts."""
+    its walk; their walks and starts. tokenizer: a folder with the default model's tokenizer
+    (where its package is not installed: the GPU image), else the default model's."""
     structured = structured_bench()
-    folder = resolve_model_path(None)
+    folder = tokenizer or resolve_model_path(None)
     from transformers import AutoTokenizer
 
     eos = [AutoTokenizer.from_pretrained(folder).eos_token_id]
@@ -91,10 +94,11 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=2, help="the fill's threads (the H200 host's)"
     )
+    parser.add_argument("--tokenizer", type=Path, default=None, help="the tokenizer's folder")
     parser.add_argument("--note", default="")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    held, walks, starts = held_requests(args.batch, args.rounds, args.threads)
+    held, walks, starts = held_requests(args.batch, args.rounds, args.threads, args.tokenizer)
     result = {
         "benchmark": "grammar_process_step",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
