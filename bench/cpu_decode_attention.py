@@ -1,6 +1,8 @@
 """The C++ paged decode attention of kernels/cpu_decode_attention.cpp on one layer of the default
 model (9 query heads, 3 KV heads of 64, block size 16), one thread, in thread CPU time; with
 --baseline REV, against the kernel of that git revision in the same process, rounds interleaved.
+--layers 30 runs a decode step's 30 layers, each on a cache of its own: together past the L3,
+so the KV comes from DRAM as in the engine (one layer's stays in cache between rounds).
 
 The machine is shared and loaded: wall-clock times of one op spread by 5x, the CPU time of the
 calling thread by about 20% (the rest is others' use of L3 and memory bandwidth), so each figure
@@ -47,14 +49,16 @@ def build_baseline(rev: str) -> object:
     return torch.ops.asyncllm_cpu_baseline.paged_decode_attention
 
 
-def layer_inputs(requests: int, context: int) -> tuple:
+def layer_inputs(requests: int, context: int, layers: int) -> tuple:
     blocks = -(-context // BLOCK_SIZE)
-    kv_cache = torch.randn(2, requests * blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    kv_caches = [
+        torch.randn(2, requests * blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(layers)
+    ]
     # every request's blocks spread over the cache, as a running engine leaves them
     tables = torch.randperm(requests * blocks, dtype=torch.int32).view(requests, blocks)
     lens = torch.full((requests,), context, dtype=torch.int32)
     query = torch.randn(requests, HEADS, HEAD_DIM)
-    return query, kv_cache, tables, lens
+    return query, kv_caches, tables, lens
 
 
 def cpu_seconds(fn, inner: int = 3) -> float:
@@ -64,26 +68,29 @@ def cpu_seconds(fn, inner: int = 3) -> float:
     return (time.thread_time() - start) / inner
 
 
-def time_kernels(kernels: dict, requests: int, context: int, rounds: int) -> dict:
-    query, kv_cache, tables, lens = layer_inputs(requests, context)
+def time_kernels(kernels: dict, requests: int, context: int, rounds: int, layers: int) -> dict:
+    query, kv_caches, tables, lens = layer_inputs(requests, context, layers)
     outs = {label: torch.empty_like(query) for label in kernels}
-    calls = {
-        label: (lambda op=op, out=outs[label]: op(query, kv_cache, tables, lens, 0.125, out))
-        for label, op in kernels.items()
-    }
+
+    def step(op, out) -> None:
+        for kv_cache in kv_caches:
+            op(query, kv_cache, tables, lens, 0.125, out)
+
+    calls = {label: (lambda op=op, out=outs[label]: step(op, out)) for label, op in kernels.items()}
     best = {label: float("inf") for label in kernels}
     for call in calls.values():
         call()
     for _ in range(rounds):
         for label, call in calls.items():
             best[label] = min(best[label], cpu_seconds(call))
-    flops = 4 * requests * HEADS * HEAD_DIM * context
-    kv_bytes = 2 * requests * context * KV_HEADS * HEAD_DIM * 4
+    flops = 4 * requests * HEADS * HEAD_DIM * context * layers
+    kv_bytes = 2 * requests * context * KV_HEADS * HEAD_DIM * 4 * layers
     reference = next(iter(outs.values()))
     return {
         "requests": requests,
         "context": context,
-        "ms_per_layer": {label: s * 1e3 for label, s in best.items()},
+        "layers": layers,
+        "ms_per_call": {label: s * 1e3 for label, s in best.items()},
         "gflops_per_s": {label: flops / s / 1e9 for label, s in best.items()},
         "kv_gb_per_s": {label: kv_bytes / s / 1e9 for label, s in best.items()},
         "max_abs_difference": max((o - reference).abs().max().item() for o in outs.values()),
@@ -96,6 +103,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="100,300,500", help="comma-separated lengths")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per context")
+    parser.add_argument("--layers", type=int, default=1, help="layers a call, a cache each")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -112,7 +120,9 @@ def main() -> None:
         "torch": torch.__version__,
         "timing": "thread CPU time, 1 thread, min of interleaved rounds",
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK_SIZE},
-        "layers": [time_kernels(kernels, args.requests, c, args.rounds) for c in contexts],
+        "calls": [
+            time_kernels(kernels, args.requests, c, args.rounds, args.layers) for c in contexts
+        ],
     }
     print(json.dumps(result, indent=2))
     if args.out:
