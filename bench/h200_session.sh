@@ -18,6 +18,8 @@
 #   bench/h200_session.sh round4 OUT      the long-context and attention GPU tests, the GIL
 #                                         hand-off on the host, the structured step and
 #                                         speculation after the switch interval
+#   bench/h200_session.sh round5 OUT      the grammar process's step timed inside the engine
+#                                         (bench/grammar_process_trace.py) and alone on the host
 #   bench/h200_session.sh round3 OUT      GPU tests of the FP8 cache and speculation; speculation
 #                                         at batch 1 and 32 and its batch-1 host profile; the
 #                                         structured step masked with a real tokenizer
@@ -135,6 +137,13 @@ round4)  # the GIL hand-off (asyncllm/engine/gil.py) and the tests fixed without
   timeout 150 python3 bench/spec_decode.py --shape llama-3.1-8b --out "$out/spec_decode_h200.json" \
     > "$out/spec_decode_h200.txt" 2>&1
   tail -4 "$out/spec_decode_h200.txt"
+  ;;
+round5)  # issue 25: the grammar process's step in the engine (7.7 ms) against alone (2.8-3.7)
+  timeout 100 python3 bench/grammar_process_trace.py --tokenizer .tok/SmolLM2-135M-Instruct \
+    --out "$out/grammar_process_trace_h200.json" > "$out/grammar_process_trace_h200.txt" 2>&1
+  tail -12 "$out/grammar_process_trace_h200.txt"
+  python3 bench/grammar_process_step.py --tokenizer .tok/SmolLM2-135M-Instruct \
+    --out "$out/grammar_process_step_h200host.json" | tail -6
   ;;
 moe_offline)
   for shape in qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b; do
