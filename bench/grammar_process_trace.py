@@ -33,12 +33,25 @@ from asyncllm.structured_output import grammar_process  # noqa: E402
 _CHILD_PATCH = """
 import os, time
 from asyncllm.structured_output import grammar_process as gp
-real = gp._HeldGrammars.step
+real_step = gp._HeldGrammars.step
+parts = {}
+def timed(name, function):
+    def call(*args):
+        start = time.monotonic()
+        out = function(*args)
+        parts[name] = time.monotonic() - start
+        return out
+    return call
+gp.accept_in_batch = timed("accept", gp.accept_in_batch)
+gp.allow_all, gp.fill_masks = timed("allow", gp.allow_all), timed("fill", gp.fill_masks)
 def step(self, s):
-    enter = time.monotonic()
-    out = real(self, s)
+    parts.clear()
+    enter, cpu = time.monotonic(), time.process_time()
+    out = real_step(self, s)
+    left, cpu = time.monotonic(), time.process_time() - cpu
     with open(os.environ["GRAMMAR_PROCESS_TRACE"], "a") as f:
-        f.write(f"{enter} {time.monotonic()} {len(s.rows)}\\n")
+        fields = enter, left, len(s.rows), cpu, *(parts.get(p, 0) for p in ("accept", "allow", "fill"))
+        f.write(" ".join(map(str, fields)) + "\\n")
     return out
 gp._HeldGrammars.step = step
 """
@@ -68,14 +81,26 @@ def patch_worker_side() -> tuple[list, list]:
 
 
 def spans(sends: list, receives: list, child: list, batch: int) -> list[tuple[float, ...]]:
-    """Per step with every row in the child (the last 30): there, the child's step, back (s)."""
+    """Per step with every row in the child (the last 30): there, the child's step, back, the
+    child's CPU time in its step (all its threads), its accepts, its rows allowed every token
+    and its fills (s)."""
     n = min(len(sends), len(receives), len(child))
     steps = zip(sends[-n:], receives[-n:], child[-n:])
     return [
-        (enter - sent, left - enter, back - left)
-        for (sent, rows), (_, back), (enter, left, _) in steps
+        (enter - sent, left - enter, back - left, cpu, accept, allow, fill)
+        for (sent, rows), (_, back), (enter, left, _, cpu, accept, allow, fill) in steps
         if rows == batch
     ][-30:]
+
+
+def host_limits() -> dict:
+    """What may share or cap this host's cores: the cgroup's CPU quota and the load."""
+    quota = Path("/sys/fs/cgroup/cpu.max")
+    return {
+        "cgroup_cpu_max": quota.read_text().strip() if quota.exists() else None,
+        "loadavg": os.getloadavg(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def main() -> None:
@@ -109,6 +134,11 @@ def main() -> None:
         "to_child_ms": median_ms(0),
         "child_step_ms": median_ms(1),
         "back_ms": median_ms(2),
+        "child_cpu_ms": median_ms(3),
+        "child_accept_ms": median_ms(4),
+        "child_allow_ms": median_ms(5),
+        "child_fill_ms": median_ms(6),
+        "host": host_limits(),
         "per_step_ms": [[round(x * 1e3, 2) for x in s] for s in timed],
         "structured_step": step,
     }
