@@ -210,6 +210,7 @@ def offline(args) -> dict:
         profile_batch1_steps=args.profile_batch1_steps,
         tensor_parallel_size=1,
         quantization=None,
+        dtype="auto",
         disable_tqdm=True,
     )
     ours = run_asyncllm(str(path), workload, run_args)
