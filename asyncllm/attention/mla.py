@@ -20,11 +20,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 import kernels
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
+
+_PROMPT_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,  # where neither fused kernel takes the inputs
+]
 
 
 @dataclass(frozen=True)
@@ -162,18 +170,22 @@ def attend_expanded(
     dims: MLADims,
 ) -> torch.Tensor:
     """One request's prompt rows [Q, H, nope + rope] over its whole context's latents
-    [S, rank + rope], keys and values expanded per head -> [Q, H, v]."""
+    [S, rank + rope], keys and values expanded per head -> [Q, H, v]. SDPA's flash kernel takes
+    it on a GPU: batched 4-D inputs, the values padded to the keys' width and the causal mask
+    aligned to the last row without being materialised; cuDNN's is left out, as it plans each
+    new shape on the host (seconds over a workload's prompt lengths). Before, SDPA's math path
+    in fp32 took half the GPU time of DeepSeek-V2-Lite's prompts (bench/NOTES.md)."""
     c, k_pe = latents.split([dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
     k_nope = torch.einsum("sl,hdl->hsd", c, w_uk)
     value = torch.einsum("sl,hdl->hsd", c, w_uv)
     key = torch.cat([k_nope, k_pe[None].expand(dims.num_heads, -1, -1)], dim=-1)
-    query_len, seq_len = query.shape[0], latents.shape[0]
-    rows = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
-    mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key, value, attn_mask=mask, scale=dims.scale
-    )
-    return out.transpose(0, 1)
+    value = F.pad(value, (0, key.shape[-1] - dims.v_head_dim))
+    causal = causal_lower_right(query.shape[0], latents.shape[0])
+    with sdpa_kernel(_PROMPT_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None], key[None], value[None], attn_mask=causal, scale=dims.scale
+        )
+    return out[0, ..., : dims.v_head_dim].transpose(0, 1)
 
 
 class MLAttention:
