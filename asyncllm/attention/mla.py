@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 import kernels
 from asyncllm.attention.backend import AttentionMetadata
@@ -180,6 +179,10 @@ def attend_expanded(
     value = torch.einsum("sl,hdl->hsd", c, w_uv)
     key = torch.cat([k_nope, k_pe[None].expand(dims.num_heads, -1, -1)], dim=-1)
     value = F.pad(value, (0, key.shape[-1] - dims.v_head_dim))
+    # imported here: the module pulls in triton and sympy, which the CPU server's start-up
+    # leaves out (tests/test_startup.py)
+    from torch.nn.attention.bias import causal_lower_right
+
     causal = causal_lower_right(query.shape[0], latents.shape[0])
     with sdpa_kernel(_PROMPT_BACKENDS):
         out = F.scaled_dot_product_attention(
