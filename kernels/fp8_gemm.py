@@ -138,7 +138,7 @@ def fp8_rowwise_gemm(
     xq, wq = xq.contiguous(), wq.contiguous()
     x_scale, w_scale = x_scale.reshape(-1).float(), w_scale.reshape(-1).float()
     block = (1, max(next_pow2(xq.shape[1]), config.block_k))
-    return _launch(xq, x_scale, wq, w_scale, block, out_dtype, config, 0, True)
+    return _launch(xq, x_scale, wq, w_scale, block, out_dtype, config, promote_k=0, rowwise=True)
 
 
 def rowwise_config(n: int, k: int) -> Fp8GemmConfig | None:
