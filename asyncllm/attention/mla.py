@@ -170,10 +170,11 @@ def attend_expanded(
 ) -> torch.Tensor:
     """One request's prompt rows [Q, H, nope + rope] over its whole context's latents
     [S, rank + rope], keys and values expanded per head -> [Q, H, v]. SDPA's flash kernel takes
-    it on a GPU: batched 4-D inputs, the values padded to the keys' width and the causal mask
-    aligned to the last row without being materialised; cuDNN's is left out, as it plans each
-    new shape on the host (seconds over a workload's prompt lengths). Before, SDPA's math path
-    in fp32 took half the GPU time of DeepSeek-V2-Lite's prompts (bench/NOTES.md)."""
+    it on a GPU within sdpa_kernel(_PROMPT_BACKENDS): batched 4-D inputs, the values padded to
+    the keys' width and the causal mask aligned to the last row without being materialised;
+    cuDNN's is left out, as it plans each new shape on the host (seconds over a workload's
+    prompt lengths). Before, SDPA's math path in fp32 took half the GPU time of
+    DeepSeek-V2-Lite's prompts (bench/NOTES.md)."""
     c, k_pe = latents.split([dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
     k_nope = torch.einsum("sl,hdl->hsd", c, w_uk)
     value = torch.einsum("sl,hdl->hsd", c, w_uv)
@@ -184,10 +185,9 @@ def attend_expanded(
     from torch.nn.attention.bias import causal_lower_right
 
     causal = causal_lower_right(query.shape[0], latents.shape[0])
-    with sdpa_kernel(_PROMPT_BACKENDS):
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1)[None], key[None], value[None], attn_mask=causal, scale=dims.scale
-        )
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], key[None], value[None], attn_mask=causal, scale=dims.scale
+    )
     return out[0, ..., : dims.v_head_dim].transpose(0, 1)
 
 
@@ -233,25 +233,26 @@ class MLAttention:
         out = query.new_zeros(*query.shape[:2], self.dims.v_head_dim)  # padding rows too
         runs = meta.once("mla_mixed_runs", lambda: mixed_runs(meta.query_lens_cpu))
         block_size = kv_cache.shape[2]
-        for run in runs:
-            rows = slice(run.first_row, run.first_row + run.num_rows)
-            if run.decodes:
-                request, length = row_contexts(meta, query.shape[0])
-                out[rows] = attend_absorbed(
-                    query[rows],
-                    kv_cache,
-                    meta.block_tables,
-                    request[rows],
-                    length[rows],
-                    w_uk,
-                    w_uv,
-                    self.dims,
-                )
-                continue
-            seq_len = meta.seq_lens_cpu[run.request]
-            table = meta.block_tables[run.request, : -(-seq_len // block_size)].long()
-            latents = kv_cache[0, :, :, 0][table].flatten(0, 1)[:seq_len]
-            out[rows] = attend_expanded(query[rows], latents, w_uk, w_uv, self.dims)
+        with sdpa_kernel(_PROMPT_BACKENDS):  # once a layer: about 13 us a call
+            for run in runs:
+                rows = slice(run.first_row, run.first_row + run.num_rows)
+                if run.decodes:
+                    request, length = row_contexts(meta, query.shape[0])
+                    out[rows] = attend_absorbed(
+                        query[rows],
+                        kv_cache,
+                        meta.block_tables,
+                        request[rows],
+                        length[rows],
+                        w_uk,
+                        w_uv,
+                        self.dims,
+                    )
+                    continue
+                seq_len = meta.seq_lens_cpu[run.request]
+                table = meta.block_tables[run.request, : -(-seq_len // block_size)].long()
+                latents = kv_cache[0, :, :, 0][table].flatten(0, 1)[:seq_len]
+                out[rows] = attend_expanded(query[rows], latents, w_uk, w_uv, self.dims)
         return out
 
 
