@@ -1,6 +1,7 @@
 """MoE and MLA benchmarks on one GPU, each against a floor measured in the same run.
 
     python bench/moe.py offline --shape mixtral-8x7b --out bench/results/moe_offline_mixtral_h200.json
+    python bench/moe.py prompts --shape deepseek-v2-lite --out bench/results/moe_prompts_deepseek-v2-lite_h200.json
     python bench/moe.py kernels --shape qwen3-30b-a3b --out bench/results/moe_kernels_qwen3_h200.json
 
 (The fused MoE's tile sweep is bench/moe_tune.py.)
@@ -13,6 +14,9 @@ attention and dense weights, every expert that the step's tokens are expected to
 uniform routing (E * (1 - (1 - k/E)^B) per layer for B tokens) and the live KV (GQA: keys and
 values per head; MLA: one latent + rope key per token). Then batch-1 decode against its
 weight-bandwidth floor (the weights one token reads, its k experts per layer).
+
+prompts: the offline workload's prompts alone (one output token each) against the floor's
+prefill part.
 
 kernels: the fused MoE (CUDA-graph timed: the routing alignment and both grouped GEMMs) at
 decode sizes against the copy bandwidth over the experts it reads, at prefill sizes against the
@@ -32,6 +36,7 @@ import json
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -253,6 +258,41 @@ def offline(args) -> dict:
             f"{profile['wall_ms_per_step']:.2f} ms wall (profiled)"
         )
     return {"rates": rates, **result}
+
+
+def prompts(args) -> dict:
+    """The offline workload's prompts alone (max_tokens 1), three passes on one engine (the
+    first also compiles), against the floor's prefill part."""
+    from asyncllm import LLM, SamplingParams
+
+    path, config = shape_config(args.shape)
+    workload = make_workload(256, 100, 1024, config.vocab_size, 0)
+    device = torch.device("cuda")
+    matmul = matmul_rate(device, DTYPE)
+    floor = offline_floor_seconds(config, workload, matmul, copy_bandwidth(device))["prefill_s"]
+    llm = LLM(
+        model=str(path),
+        load_format="dummy",
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p, _ in workload]
+    walls = []
+    for _ in range(3):
+        start = time.perf_counter()
+        llm.generate(requests, one_token, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+    best = min(walls[1:])
+    print(f"{args.shape} prompts alone: {walls} s, floor {floor:.3f} s ({floor / best:.0%})")
+    return {
+        "matmul_flops_per_s": matmul,
+        "prefill_floor_s": floor,
+        "wall_s": walls,
+        "fraction_of_floor": floor / best,
+        "prompt_tokens": sum(len(p) for p, _ in workload),
+    }
 
 
 def expert_weights(config) -> tuple[torch.Tensor, torch.Tensor, RoutingConfig]:
@@ -485,7 +525,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["offline", "kernels"])
+    parser.add_argument("what", choices=["offline", "prompts", "kernels"])
     parser.add_argument("--shape", choices=MOE_SHAPES, required=True)
     parser.add_argument("--no-mla", action="store_true", help="kernels: the fused MoE only")
     parser.add_argument(
@@ -499,7 +539,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     args = parser.parse_args()
-    run = {"offline": offline, "kernels": kernels_run}[args.what]
+    run = {"offline": offline, "prompts": prompts, "kernels": kernels_run}[args.what]
     result = {**result_header(f"moe_{args.what}"), "shape": args.shape, **run(args)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

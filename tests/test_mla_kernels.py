@@ -5,18 +5,23 @@ DeepSeek-V2-Lite's widths."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_model_vs_hf import metadata
 
 import kernels
+from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.mla import (
-    MixedRun,
+    MLADims,
+    MLAttention,
     _row_contexts,
     attend_latent_torch,
-    mixed_runs,
+    mixed_plan,
     norm_rope_and_cache,
     row_contexts,
+    up_projections,
     write_latent_cache,
 )
 from asyncllm.layers.norm import RMSNorm
@@ -221,15 +226,63 @@ def test_pure_decode_rows_are_their_requests_last_positions() -> None:
     assert general[0].tolist() == [0, 1, 2] and general[1].tolist() == [5, 1, 10]
 
 
-def test_mixed_runs_group_neighbouring_decodes_only() -> None:
-    runs = mixed_runs([1, 1, 5, 1, 0, 1, 3, 1])
-    assert runs == [
-        MixedRun(0, 2, True, 0),
-        MixedRun(2, 5, False, 2),
-        MixedRun(7, 2, True, 3),  # the request of no tokens between them joins nothing
-        MixedRun(9, 3, False, 6),
-        MixedRun(12, 1, True, 7),
+# decodes before, between and after two prompt chunks (one behind a cached context, both across
+# blocks) and a request of no rows
+MIXED_SPANS = [(5, 1), (0, 9), (3, 1), (0, 0), (6, 7), (2, 1)]
+
+
+def mixed_metadata() -> tuple[list[list[int]], AttentionMetadata]:
+    tables, first = [], 0
+    for computed, new in MIXED_SPANS:
+        count = max(1, -(-(computed + new) // BLOCK_SIZE))
+        tables.append(list(range(first + count - 1, first - 1, -1)))  # blocks out of order
+        first += count
+    meta = metadata(MIXED_SPANS, tables)
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.init}
+    moved = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+    return tables, type(meta)(**moved)
+
+
+def test_mixed_plan_splits_rows_and_lists_the_prompts_contexts() -> None:
+    tables, meta = mixed_metadata()
+    plan = mixed_plan(meta, 22, BLOCK_SIZE)  # 19 rows and 3 of padding
+    assert plan.prompt_rows.tolist() == [*range(1, 10), *range(11, 18)]
+    assert plan.decode_rows.tolist() == [0, 10, 18]
+    assert plan.cu_q.tolist() == plan.cu_q_host == [0, 9, 16]
+    assert plan.cu_k.tolist() == plan.cu_k_host == [0, 9, 22]
+    slots = [
+        t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for t, n in ((tables[1], 9), (tables[4], 13))
+        for p in range(n)
     ]
+    assert plan.context_slots.tolist() == slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_mixed_step_equals_absorbed_attention_row_for_row(dtype: torch.dtype) -> None:
+    """The prompt chunks through their expanded keys and values (one flash call in bf16 on a
+    GPU), the decodes absorbed: each row as the latent-space reference computes it."""
+    heads, rank, rope = DIMS
+    nope, width = (128, 128) if FULL else (6, 7)
+    dims = MLADims(heads, nope, rope, width, rank, scale=(nope + rope) ** -0.5)
+    _, meta = mixed_metadata()
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    query = torch.randn(22, heads, nope + rope, generator=gen, device=DEVICE).to(dtype)
+    kv_b = torch.randn(heads * (nope + width), rank, generator=gen, device=DEVICE) / rank**0.5
+    cache = latent_cache(dtype)
+    out = MLAttention(dims).attend(query, cache, meta, kv_b.to(dtype))
+
+    request, length = row_contexts(meta, 22)
+    w_uk, w_uv = (w.double() for w in up_projections(kv_b, dims))
+    q_nope, q_pe = query.double().split([nope, rope], dim=-1)
+    absorbed = torch.cat([torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe], dim=-1)
+    latent = attend_latent_torch(
+        absorbed, cache.double(), meta.block_tables, request, length, dims.scale, rank
+    )
+    ref = torch.einsum("thl,hdl->thd", latent, w_uv)
+    assert relative_error(out[:19], ref[:19]) < TOLERANCE[dtype]
+    assert not out[19:].any()  # padding rows
 
 
 def test_splits_fill_the_gpu_without_a_partial_wave() -> None:

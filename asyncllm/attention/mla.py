@@ -6,8 +6,8 @@ cache is [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim] (KVCacheSpec(1,
 The up-projection kv_b_proj [H * (nope + v), kv_lora_rank] turns c into each head's key
 (W_UK) and value (W_UV).
 
-Prompt chunks go through the up-projections: keys and values per head for the request's context,
-then attention as usual. Decode absorbs them: q_nope @ W_UK is a query in latent space, scored
+Prompt chunks go through the up-projections: keys and values per head for their contexts, then
+attention as usual, every prompt chunk of a step in one variable-length flash call on a GPU. Decode absorbs them: q_nope @ W_UK is a query in latent space, scored
 against the latents and rope keys as one shared head (MQA with head dim kv_lora_rank + rope_dim),
 and the latent output goes through W_UV; each step reads only the latents (kernels.mla_decode
 on CUDA). Steps of up to max_absorbed_rows rows (the backend's max_short_step_tokens, whose
@@ -16,22 +16,16 @@ steps CUDA graphs capture whole) take the absorbed path for every row: it reads 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding
-
-_PROMPT_BACKENDS = [
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,  # where neither fused kernel takes the inputs
-]
 
 
 @dataclass(frozen=True)
@@ -161,34 +155,114 @@ def attend_absorbed(
     return out
 
 
-def attend_expanded(
+@dataclass(frozen=True)
+class MixedPlan:
+    """A mixed step's rows in two groups: the prompt chunks' (requests of more than one query
+    row), which attend over their contexts' latents expanded per head in one variable-length
+    call, and the rest (decodes), absorbed in one call. Built on the device from the step's
+    metadata, sizes from its host copies: a host-to-device copy from pageable memory would wait
+    for the stream."""
+
+    prompt_rows: torch.Tensor  # int64 [Tp]
+    decode_rows: torch.Tensor  # int64 [Td]
+    context_slots: torch.Tensor  # int64 [Sk]: the prompts' context positions' slots, in turn
+    cu_q: torch.Tensor  # int32 [P + 1]: each prompt's first row among prompt_rows
+    cu_k: torch.Tensor  # int32 [P + 1]: each prompt's first position among context_slots
+    cu_q_host: list[int]
+    cu_k_host: list[int]
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b in itertools.pairwise(self.cu_q_host))
+
+    @property
+    def max_k(self) -> int:
+        return max(b - a for a, b in itertools.pairwise(self.cu_k_host))
+
+
+def mixed_plan(meta: AttentionMetadata, num_rows: int, block_size: int) -> MixedPlan:
+    """The plan of a step of num_rows rows (padding included) that has a prompt chunk; about
+    twenty small launches, once a step."""
+    prompts = [r for r, n in enumerate(meta.query_lens_cpu) if n > 1]
+    cu_q_host = [0, *itertools.accumulate(meta.query_lens_cpu[r] for r in prompts)]
+    cu_k_host = [0, *itertools.accumulate(meta.seq_lens_cpu[r] for r in prompts)]
+    num_decode_rows = sum(meta.query_lens_cpu) - cu_q_host[-1]
+    request, length = row_contexts(meta, num_rows)
+    query_lens = meta.query_start_loc.diff()
+    is_prompt = query_lens > 1
+    prompt_ids = torch.nonzero_static(is_prompt, size=len(prompts)).flatten()
+    row_is_prompt = is_prompt[request]
+    real = length > 0  # not padding
+    prompt_rows = torch.nonzero_static(row_is_prompt & real, size=cu_q_host[-1]).flatten()
+    decode_rows = torch.nonzero_static(~row_is_prompt & real, size=num_decode_rows).flatten()
+    seq_lens = meta.seq_lens[prompt_ids]
+    cu_k = F.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+    cu_q = F.pad(query_lens[prompt_ids].cumsum(0), (1, 0)).to(torch.int32)
+    total = cu_k_host[-1]
+    owner = torch.repeat_interleave(prompt_ids, seq_lens, output_size=total)
+    first = torch.repeat_interleave(cu_k[:-1], seq_lens, output_size=total)
+    position = torch.arange(total, device=first.device) - first
+    blocks = meta.block_tables[owner, position // block_size].long()
+    slots = blocks * block_size + position % block_size
+    return MixedPlan(prompt_rows, decode_rows, slots, cu_q, cu_k, cu_q_host, cu_k_host)
+
+
+def attend_prompts(
     query: torch.Tensor,
     latents: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    plan: MixedPlan,
     dims: MLADims,
 ) -> torch.Tensor:
-    """One request's prompt rows [Q, H, nope + rope] over its whole context's latents
-    [S, rank + rope], keys and values expanded per head -> [Q, H, v]. SDPA's flash kernel takes
-    it on a GPU within sdpa_kernel(_PROMPT_BACKENDS): batched 4-D inputs, the values padded to
-    the keys' width and the causal mask aligned to the last row without being materialised;
-    cuDNN's is left out, as it plans each new shape on the host (seconds over a workload's
-    prompt lengths). Before, SDPA's math path in fp32 took half the GPU time of
-    DeepSeek-V2-Lite's prompts (bench/NOTES.md)."""
+    """The prompt chunks' rows [Tp, H, nope + rope] over their contexts' latents
+    [Sk, rank + rope] (plan.context_slots), keys and values expanded per head by kv_b_proj
+    -> [Tp, H, v]."""
     c, k_pe = latents.split([dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
-    k_nope = torch.einsum("sl,hdl->hsd", c, w_uk)
-    value = torch.einsum("sl,hdl->hsd", c, w_uv)
-    key = torch.cat([k_nope, k_pe[None].expand(dims.num_heads, -1, -1)], dim=-1)
-    value = F.pad(value, (0, key.shape[-1] - dims.v_head_dim))
-    # imported here: the module pulls in triton and sympy, which the CPU server's start-up
-    # leaves out (tests/test_startup.py)
-    from torch.nn.attention.bias import causal_lower_right
+    expanded = (c @ kv_b_weight.T).view(c.shape[0], dims.num_heads, -1)
+    k_nope, value = expanded.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
+    key = torch.cat([k_nope, k_pe[:, None].expand(-1, dims.num_heads, -1)], dim=-1)
+    return attend_causal_varlen(query, key, value, plan, dims.scale)
 
-    causal = causal_lower_right(query.shape[0], latents.shape[0])
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None], key[None], value[None], attn_mask=causal, scale=dims.scale
-    )
-    return out[0, ..., : dims.v_head_dim].transpose(0, 1)
+
+def attend_causal_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: MixedPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Each prompt's query rows over its keys, causally with its last row at its last key:
+    [Tq, H, D], [Sk, H, D], [Sk, H, Dv] -> [Tq, H, Dv]. In 16-bit on a GPU one flash call
+    (values padded to the keys' width, which it needs); else a loop over the prompts."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn  # pulls in triton: CPU start-up
+
+        width = value.shape[-1]
+        value = F.pad(value, (0, key.shape[-1] - width))
+        out = varlen_attn(
+            query,
+            key,
+            value,
+            plan.cu_q,
+            plan.cu_k,
+            plan.max_q,
+            plan.max_k,
+            scale=scale,
+            window_size=(-1, 0),
+        )
+        return out[..., :width]
+    out = query.new_empty(*query.shape[:2], value.shape[-1])
+    spans = zip(itertools.pairwise(plan.cu_q_host), itertools.pairwise(plan.cu_k_host))
+    for (q0, q1), (k0, k1) in spans:
+        causal = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=query.device)
+        out[q0:q1] = F.scaled_dot_product_attention(
+            query[q0:q1].transpose(0, 1),
+            key[k0:k1].transpose(0, 1),
+            value[k0:k1].transpose(0, 1),
+            attn_mask=causal.tril(k1 - k0 - (q1 - q0)),
+            scale=scale,
+        ).transpose(0, 1)
+    return out
 
 
 class MLAttention:
@@ -207,14 +281,14 @@ class MLAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [T, H, nope + rope] -> [T, H, v], written into out when given."""
-        w_uk, w_uv = up_projections(kv_b_weight, self.dims)
         if meta.is_pure_decode or query.shape[0] <= self.max_absorbed_rows:
+            w_uk, w_uv = up_projections(kv_b_weight, self.dims)
             request, length = row_contexts(meta, query.shape[0])
             result = attend_absorbed(
                 query, kv_cache, meta.block_tables, request, length, w_uk, w_uv, self.dims
             )
         else:
-            result = self._mixed(query, kv_cache, meta, w_uk, w_uv)
+            result = self._mixed(query, kv_cache, meta, kv_b_weight)
         if out is None:
             return result
         out.copy_(result)
@@ -225,59 +299,31 @@ class MLAttention:
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        w_uk: torch.Tensor,
-        w_uv: torch.Tensor,
+        kv_b_weight: torch.Tensor,
     ) -> torch.Tensor:
-        """Prompt chunks expanded one request at a time, each run of consecutive decode rows
-        absorbed in one call; slices only, so nothing waits on a host-to-device copy."""
-        out = query.new_zeros(*query.shape[:2], self.dims.v_head_dim)  # padding rows too
-        runs = meta.once("mla_mixed_runs", lambda: mixed_runs(meta.query_lens_cpu))
+        """The prompt chunks expanded in one call, the decode rows absorbed in another."""
         block_size = kv_cache.shape[2]
-        with sdpa_kernel(_PROMPT_BACKENDS):  # once a layer: about 13 us a call
-            for run in runs:
-                rows = slice(run.first_row, run.first_row + run.num_rows)
-                if run.decodes:
-                    request, length = row_contexts(meta, query.shape[0])
-                    out[rows] = attend_absorbed(
-                        query[rows],
-                        kv_cache,
-                        meta.block_tables,
-                        request[rows],
-                        length[rows],
-                        w_uk,
-                        w_uv,
-                        self.dims,
-                    )
-                    continue
-                seq_len = meta.seq_lens_cpu[run.request]
-                table = meta.block_tables[run.request, : -(-seq_len // block_size)].long()
-                latents = kv_cache[0, :, :, 0][table].flatten(0, 1)[:seq_len]
-                out[rows] = attend_expanded(query[rows], latents, w_uk, w_uv, self.dims)
+        plan = meta.once(
+            ("mla_mixed_plan", query.shape[0]),
+            lambda: mixed_plan(meta, query.shape[0], block_size),
+        )
+        out = query.new_zeros(*query.shape[:2], self.dims.v_head_dim)  # padding rows too
+        latents = kv_cache[0, :, :, 0].flatten(0, 1)[plan.context_slots]
+        prompts = attend_prompts(query[plan.prompt_rows], latents, kv_b_weight, plan, self.dims)
+        out.index_copy_(0, plan.prompt_rows, prompts)
+        if plan.decode_rows.numel():
+            request, length = row_contexts(meta, query.shape[0])
+            w_uk, w_uv = up_projections(kv_b_weight, self.dims)
+            rows = plan.decode_rows
+            decodes = attend_absorbed(
+                query[rows],
+                kv_cache,
+                meta.block_tables,
+                request[rows],
+                length[rows],
+                w_uk,
+                w_uv,
+                self.dims,
+            )
+            out.index_copy_(0, rows, decodes)
         return out
-
-
-@dataclass(frozen=True)
-class MixedRun:
-    """Rows of a mixed step that attend in one call: one request's prompt chunk, or
-    consecutive requests' decode rows."""
-
-    first_row: int
-    num_rows: int
-    decodes: bool
-    request: int  # the prompt chunk's request (for decodes: the first one's)
-
-
-def mixed_runs(query_lens: list[int]) -> list[MixedRun]:
-    """The step's requests as runs: each prompt chunk alone, neighbouring decodes together;
-    requests of no tokens (padding) in none."""
-    runs: list[MixedRun] = []
-    row = 0
-    for request, query_len in enumerate(query_lens):
-        decode = query_len == 1
-        last = runs[-1] if runs else None
-        if decode and last is not None and last.decodes and last.first_row + last.num_rows == row:
-            runs[-1] = MixedRun(last.first_row, last.num_rows + 1, True, last.request)
-        elif query_len:
-            runs.append(MixedRun(row, query_len, decode, request))
-        row += query_len
-    return runs
