@@ -262,7 +262,7 @@ def offline(args) -> dict:
 
 def prompts(args) -> dict:
     """The offline workload's prompts alone (max_tokens 1), three passes on one engine (the
-    first also compiles), against the floor's prefill part."""
+    first also compiles) without prefix caching, against the floor's prefill part."""
     from asyncllm import LLM, SamplingParams
 
     path, config = shape_config(args.shape)
@@ -276,6 +276,7 @@ def prompts(args) -> dict:
         max_model_len=4096,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
+        enable_prefix_caching=False,  # each pass computes the same prompts again
     )
     one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p, _ in workload]
