@@ -167,10 +167,10 @@ def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("tail_m", [0, 8])
-@pytest.mark.parametrize("num_experts,num_tokens", [(5, 700), (200, 600)])
+@pytest.mark.parametrize("num_experts,num_tokens", [(5, 700), (200, 1100)])
 def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens, tail_m) -> None:
-    # 1,400 pairs of 5 experts: two 1,024-pair chunks; of 200 experts: 19 chunks of 64, past
-    # the prefix kernel's 16-chunk step; experts left idle either way
+    # 1,400 pairs of 5 experts: two 1,024-pair chunks; of 200 experts: 35 chunks of 64, past
+    # the prefix kernel's 32-chunk step; experts left idle either way
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, num_experts - 2, (num_tokens, 2), generator=gen, dtype=torch.int32)
     aligned = align_by_expert(ids.to(DEVICE), 16, num_experts, tail_m)
