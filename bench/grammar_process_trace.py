@@ -1,7 +1,6 @@
 """Where the structured step's wait for the grammar process goes, on the GPU: bench/structured.py's
 constrained batch (256 requests, a JSON schema each, the real tokenizer), with each step's
-message timed on both sides of the pipes (with several grammar processes, a step spans from the
-first one's start to the last one's end). The worker side records when it sends a step and when
+message timed on both sides of the pipe. The worker side records when it sends a step and when
 its receive call returns; the grammar process (a spawned child, so patched through a
 sitecustomize on its PYTHONPATH) records when its step function starts and ends. The host's
 processes share CLOCK_MONOTONIC, so the spans line up: the message's way there (pipe, the
@@ -62,8 +61,8 @@ def patch_worker_side() -> tuple[list, list]:
     """(send times with the step's rows, (receive call, return) times), as the worker meets them."""
     sends, receives = [], []
     real_send, real_receive = (
-        grammar_process.GrammarProcesses.send,
-        grammar_process.GrammarProcesses.receive,
+        grammar_process.GrammarProcess.send,
+        grammar_process.GrammarProcess.receive,
     )
 
     def send(self, step):
@@ -76,25 +75,22 @@ def patch_worker_side() -> tuple[list, list]:
         receives.append((start, time.monotonic()))
         return out
 
-    grammar_process.GrammarProcesses.send = send
-    grammar_process.GrammarProcesses.receive = receive
+    grammar_process.GrammarProcess.send = send
+    grammar_process.GrammarProcess.receive = receive
     return sends, receives
 
 
 def spans(sends: list, receives: list, child: list, batch: int) -> list[tuple[float, ...]]:
-    """Per step with every row in the children (the last 30): there (to the first child's
-    start), the children's step (to the last one's end), back, their CPU time in the step (all
-    their threads), and the longest child's accepts, rows allowed every token and fills (s)."""
-    timed = []
-    for (sent, rows), (_, back) in zip(sends, receives):
-        kids = [c for c in child if sent <= c[0] <= back]
-        if rows != batch or not kids:
-            continue
-        enter, left = min(k[0] for k in kids), max(k[1] for k in kids)
-        cpu = sum(k[3] for k in kids)
-        parts = (max(k[i] for k in kids) for i in (4, 5, 6))
-        timed.append((enter - sent, left - enter, back - left, cpu, *parts))
-    return timed[-30:]
+    """Per step with every row in the child (the last 30): there, the child's step, back, the
+    child's CPU time in its step (all its threads), its accepts, its rows allowed every token
+    and its fills (s)."""
+    n = min(len(sends), len(receives), len(child))
+    steps = zip(sends[-n:], receives[-n:], child[-n:])
+    return [
+        (enter - sent, left - enter, back - left, cpu, accept, allow, fill)
+        for (sent, rows), (_, back), (enter, left, _, cpu, accept, allow, fill) in steps
+        if rows == batch
+    ][-30:]
 
 
 def host_limits() -> dict:

@@ -456,15 +456,8 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=10)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokenizer", type=Path, default=None, help="a real tokenizer's folder")
-    parser.add_argument(
-        "--max-grammar-processes", type=int, default=None, help="step: at most this many"
-    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from asyncllm.structured_output import matchers
-
-    if args.max_grammar_processes is not None:
-        matchers._MAX_GRAMMAR_PROCESSES = args.max_grammar_processes
     if args.part == "step":
         result = part_step(args.batch, args.steps, args.tokenizer)
     elif args.part == "compile":
@@ -483,7 +476,6 @@ def main() -> None:
         "triton": _version("triton"),
         "xgrammar": getattr(xgrammar, "__version__", None) or _version("xgrammar"),
         "part": args.part,
-        "grammar_processes": matchers.grammar_processes(),
         "tokenizer": str(args.tokenizer) if args.tokenizer else "synthetic (worst case)",
         "result": result,
     }

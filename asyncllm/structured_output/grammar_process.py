@@ -6,8 +6,7 @@ The process hears of a request when the worker's matchers start it (its constrai
 reasoning markers, its prompt and the outputs so far), compiles the constraint itself (a
 compiled grammar does not pickle, and serializing one took 170 ms against a 15 ms compile), and
 from then on takes every token the request samples. Once compiled, it fills the request's mask
-rows in shared memory laid out as the worker's host bitmask, in the same rows. Where the host
-has the cores, several such processes share the requests (and the one buffer) between them.
+rows in shared memory laid out as the worker's host bitmask, in the same rows.
 
 Invariant: the process's state of a request has taken exactly the tokens the worker sent it, so
 the worker knows its count without asking."""
@@ -149,109 +148,59 @@ def serve(
                 connection.send(RuntimeError(f"grammar process: {type(e).__name__}: {e}"))
 
 
-class GrammarProcesses:
-    """The worker's handle on the grammar processes: send a step, later take its reply. Each
-    request is held by one process (the one holding fewest when it is adopted); a step goes to
-    each process as its share, and all of them fill their rows of one shared mask buffer."""
+class GrammarProcess:
+    """The worker's handle on the process: send a step, later take its reply."""
 
     def __init__(
         self,
         vocabulary: Callable[[], xgr.TokenizerInfo],
-        shape: tuple[int, int],
-        num_threads: int,
-        num_processes: int = 1,
-    ) -> None:
-        memory = shared_memory.SharedMemory(create=True, size=shape[0] * shape[1] * 4)
-        self.masks = torch.frombuffer(memory.buf, dtype=torch.int32).view(shape)
-        self._children = [
-            _Child(vocabulary, memory.name, shape, num_threads) for _ in range(num_processes)
-        ]
-        self._owner: dict[str, int] = {}  # request id -> its process
-        self._held = [0] * num_processes  # requests per process
-        self._stop = weakref.finalize(self, _stop, self._children, memory)
-
-    @property
-    def pids(self) -> list[int]:
-        return [child.pid for child in self._children]
-
-    def started(self) -> bool:
-        """Whether every process has loaded the vocabulary (a few seconds: torch, the
-        tokenizer); the worker sends nothing before, so that no step waits for their start."""
-        return all([child.started() for child in self._children])  # each polls
-
-    def send(self, step: Step) -> None:
-        shares = [Step() for _ in self._children]
-        for request_id in step.forget:
-            owner = self._owner.pop(request_id, None)
-            if owner is not None:
-                self._held[owner] -= 1
-                shares[owner].forget.append(request_id)
-        for adopted in step.adopt:
-            shares[self._owner_of_adopted(adopted.request_id)].adopt.append(adopted)
-        for accept in step.accepts:
-            shares[self._owner[accept[0]]].accepts.append(accept)
-        for row in step.rows:
-            shares[self._owner[row[0]]].rows.append(row)
-        for child, share in zip(self._children, shares):
-            child.connection.send(share)
-
-    def receive(self) -> list[str]:
-        """The ids whose grammar became ready; raises the step's error (after every process's
-        reply is in, so that the next step's replies are that step's)."""
-        replies = [child.connection.recv() for child in self._children]
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                raise reply
-        return [request_id for reply in replies for request_id in reply]
-
-    def close(self) -> None:
-        self._stop()
-
-    def _owner_of_adopted(self, request_id: str) -> int:
-        """A request adopted again stays where it was; a new one goes where fewest are held."""
-        if request_id not in self._owner:
-            owner = self._held.index(min(self._held))
-            self._owner[request_id] = owner
-            self._held[owner] += 1
-        return self._owner[request_id]
-
-
-class _Child:
-    """One grammar process and the worker's end of its pipe."""
-
-    def __init__(
-        self,
-        vocabulary: Callable[[], xgr.TokenizerInfo],
-        masks_name: str,
         shape: tuple[int, int],
         num_threads: int,
     ) -> None:
         context = multiprocessing.get_context("spawn")  # the parent holds CUDA and threads
-        self.connection, child = context.Pipe()
-        self.process = context.Process(
+        memory = shared_memory.SharedMemory(create=True, size=shape[0] * shape[1] * 4)
+        self.masks = torch.frombuffer(memory.buf, dtype=torch.int32).view(shape)
+        self._connection, child = context.Pipe()
+        process = context.Process(
             target=serve,
-            args=(child, masks_name, shape, vocabulary, num_threads),
+            args=(child, memory.name, shape, vocabulary, num_threads),
             name="grammar-process",
             daemon=True,
         )
-        self.process.start()
+        process.start()
         child.close()
-        self.pid = self.process.pid
+        self.pid = process.pid
         self._started = False
+        self._stop = weakref.finalize(self, _stop, self._connection, process, memory)
 
     def started(self) -> bool:
-        if not self._started and self.connection.poll():
-            self._started = self.connection.recv() == []
+        """Whether it has loaded the vocabulary (a few seconds: torch, the tokenizer); the
+        worker sends it nothing before, so that no step waits for its start."""
+        if not self._started and self._connection.poll():
+            self._started = self._connection.recv() == []
         return self._started
 
+    def send(self, step: Step) -> None:
+        self._connection.send(step)
 
-def _stop(children: list[_Child], memory: shared_memory.SharedMemory) -> None:
-    for child in children:
-        with contextlib.suppress(OSError):  # it may have gone already
-            child.connection.send(None)
-    for child in children:
-        child.process.join(1)
-        if child.process.is_alive():
-            child.process.kill()
-        child.connection.close()
+    def receive(self) -> list[str]:
+        """The ids whose grammar became ready; raises the step's error."""
+        reply = self._connection.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        self._stop()
+
+
+def _stop(
+    connection: Connection, process: multiprocessing.Process, memory: shared_memory.SharedMemory
+) -> None:
+    with contextlib.suppress(OSError):  # it may have gone already
+        connection.send(None)
+    process.join(1)
+    if process.is_alive():
+        process.kill()
+    connection.close()
     memory.unlink()  # the views on it go with the worker's matchers

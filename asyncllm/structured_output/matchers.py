@@ -29,12 +29,7 @@ import xgrammar as xgr
 
 from asyncllm.sample.grammar_mask import TokenBitmask
 from asyncllm.sampling_params import ReasoningMarkers, StructuredOutputsParams
-from asyncllm.structured_output.grammar_process import (
-    Adopt,
-    GrammarProcesses,
-    RemoteRow,
-    Step,
-)
+from asyncllm.structured_output.grammar_process import Adopt, GrammarProcess, RemoteRow, Step
 from asyncllm.structured_output.masks import fill_masks
 from asyncllm.structured_output.state import GrammarState, accept_in_batch
 
@@ -44,12 +39,9 @@ from asyncllm.structured_output.state import GrammarState, accept_in_batch
 # 2.61 on 8 (bench/results/structured_accept_fill_real_tokenizer_h200host.json)
 _CORES_PER_FILL_THREAD = 8
 _MAX_FILL_THREADS = 4
-# a grammar process takes a core of its own, beside the core's thread, the collector, the fill
-# thread and the fill's threads; a second one halves each one's step (accepts and fills, which
-# hold its GIL: 3.3-3.5 ms at 256 rows on the H200's host, the longest link between a step's
-# sampled ids and the next step's masks)
-_CORES_PER_GRAMMAR_PROCESS = 8
-_MAX_GRAMMAR_PROCESSES = 2
+# the grammar process takes a core of its own, beside the core's thread, the collector, the fill
+# thread and the fill's threads
+_MIN_CORES_FOR_PROCESS = 8
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +54,7 @@ def fill_threads() -> int:
 
 def wants_grammar_process() -> bool:
     """Whether this process may run on enough cores to give the grammars a process."""
-    return grammar_processes() > 0
-
-
-def grammar_processes() -> int:
-    """Grammar processes for the cores this process may run on: one per 8, at most 2."""
-    cores = len(os.sched_getaffinity(0))
-    return min(_MAX_GRAMMAR_PROCESSES, cores // _CORES_PER_GRAMMAR_PROCESS)
+    return len(os.sched_getaffinity(0)) >= _MIN_CORES_FOR_PROCESS
 
 
 @dataclass
@@ -168,7 +154,7 @@ class GrammarMatchers:
         self._copied: torch.cuda.Event | None = None
         self._tracked: dict[str, GrammarState] = {}
         self._sampled: _Sampled | None = None
-        self._process: GrammarProcesses | None = None
+        self._process: GrammarProcess | None = None
         if vocabulary is not None:
             self._process = _start_process(vocabulary, self._host.shape, self.num_threads)
         # the requests the process holds, and how many tokens each was sent
@@ -177,7 +163,7 @@ class GrammarMatchers:
         self._step = Step()  # the next message to the process
 
     @property
-    def process(self) -> GrammarProcesses | None:
+    def process(self) -> GrammarProcess | None:
         return self._process
 
     @property
@@ -384,11 +370,10 @@ class GrammarMatchers:
 
 def _start_process(
     vocabulary: Callable[[], xgr.TokenizerInfo], shape: torch.Size, num_threads: int
-) -> GrammarProcesses | None:
+) -> GrammarProcess | None:
     """The grammar process, or None where it cannot start (the grammars are matched here)."""
     try:
-        shape = (shape[0], shape[1])
-        return GrammarProcesses(vocabulary, shape, num_threads, max(1, grammar_processes()))
+        return GrammarProcess(vocabulary, (shape[0], shape[1]), num_threads)
     except Exception:
         logger.exception("the grammar process did not start: grammars are matched here")
         return None
