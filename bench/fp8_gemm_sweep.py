@@ -56,6 +56,11 @@ GEMM_CONFIGS = [
     Fp8GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
     Fp8GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
     Fp8GemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=5),
+    # weight-bound at 128-256 rows: every row in one tile (the weights read once), narrower
+    # columns for more programs (128 x 128 tiles make 48 of 6,144 outputs on 132 SMs)
+    Fp8GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=4),
+    Fp8GemmConfig(block_m=128, block_n=32, block_k=128, num_warps=4, num_stages=4),
+    Fp8GemmConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=6),
 ]
 ROTATE_BYTES = 256 << 20
 
