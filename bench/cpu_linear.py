@@ -70,7 +70,7 @@ def linear_variants(weight: torch.Tensor, x: torch.Tensor) -> dict:
         "mkl_fp32": lambda: F.linear(x, weight),
         "fbgemm_int8_dynamic": lambda: torch.ops.quantized.linear_dynamic(x, int8, True),
         "bf16": lambda: F.linear(x_bf16, weight_bf16),
-        "onednn_bf16_fp32_io": lambda: packed_linear(x, packed_bf16, None),
+        "onednn_bf16_fp32_io": lambda: packed_linear(x, packed_bf16, None, torch.float32),
     }
 
 

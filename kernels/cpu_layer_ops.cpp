@@ -4,10 +4,12 @@
 // pass over memory and a dispatch (bench/NOTES.md).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -144,6 +146,69 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
   }
 }
 
+// exp(x) in float32 within 2 ulp, in a form GCC vectorizes (libm's expf, std::floor and
+// std::fmin it does not, without -ffast-math): x = n ln2 + r, |r| <= ln2 / 2 (n rounded by the
+// 1.5 * 2^23 shift, ln2 in two parts), exp(r) by Cephes's polynomial, 2^n put into the
+// exponent's bits (n = 128 past 88.5 or so: infinity, as expf overflows, so silu(-90) is -0).
+inline float vector_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 89.f ? 89.f : x);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// round to nearest even, as torch's float -> bfloat16 conversion (finite values)
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// silu(gate) * up of x = [gate | up] [rows, 2 * inner] in bfloat16, computed in float32 and
+// rounded once, as the float32 path rounds it on its way into the next bf16 GEMM; the bf16
+// mode's GEMM output goes in and the next GEMM's input comes out, without the two float32
+// copies between (bench/NOTES.md).
+at::Tensor silu_and_mul_bf16(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul_bf16: a bfloat16 CPU [rows, 2 * inner], rows contiguous");
+  const int64_t inner = x.size(1) / 2, row_stride = x.stride(0);
+  at::Tensor out = at::empty({x.size(0), inner}, x.options());
+  const auto* in = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+  auto* to = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
+  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* gate = in + r * row_stride;
+      const uint16_t* up = gate + inner;
+      uint16_t* row = to + r * inner;
+#pragma omp simd
+      for (int64_t i = 0; i < inner; ++i) {
+        const float g = bf16_to_float(gate[i]);
+        row[i] = float_to_bf16(g / (1.f + vector_exp(-g)) * bf16_to_float(up[i]));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(asyncllm_cpu_layer, m) {
@@ -153,4 +218,6 @@ TORCH_LIBRARY(asyncllm_cpu_layer, m) {
   m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
+  m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
+  m.impl("silu_and_mul_bf16", c10::DispatchKey::CPU, &silu_and_mul_bf16);
 }

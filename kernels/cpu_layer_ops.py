@@ -1,5 +1,6 @@
-"""A decoder layer's per-token float32 ops on CPU, in place (kernels/cpu_layer_ops.cpp): the
-residual add with the RMSNorm, the rotary embedding of q and k, and the KV cache write."""
+"""A decoder layer's per-token ops on CPU (kernels/cpu_layer_ops.cpp): in place in float32 the
+residual add with the RMSNorm, the rotary embedding of q and k, and the KV cache write; and the
+bf16 mode's SiLU-and-mul, bfloat16 in and out."""
 
 from __future__ import annotations
 
@@ -42,3 +43,9 @@ def write_kv_cache_cpu(
     """float32 key and value [T, Hk, D] (strided views of qkv) into their slots of a float32 or
     bf16 cache; slots < 0 are padding and skipped."""
     torch.ops.asyncllm_cpu_layer.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+
+def silu_and_mul_bf16_cpu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x = [gate | up] bfloat16 [T, 2 * I] -> bfloat16 [T, I], in float32
+    inside and rounded once."""
+    return torch.ops.asyncllm_cpu_layer.silu_and_mul_bf16(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -12,6 +13,7 @@ from kernels.cpu_layer_ops import (
     cpu_layer_ops_available,
     fused_add_rms_norm_cpu,
     rotary_embedding_cpu,
+    silu_and_mul_bf16_cpu,
     write_kv_cache_cpu,
 )
 
@@ -86,3 +88,47 @@ def test_layers_take_the_ops_for_float32_on_cpu() -> None:
     q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
     rotated_q, rotated_k = rotary(torch.tensor([0, 5, 9]), q, k)
     assert rotated_q.data_ptr() == q.data_ptr() and rotated_k.data_ptr() == k.data_ptr()
+
+
+@pytest.mark.parametrize("rows, inner", [(0, 8), (1, 7), (33, 1536), (130, 100)])
+def test_silu_and_mul_bf16_rounds_the_float32_product_once(rows: int, inner: int) -> None:
+    """As the float32 path computes it, then rounds into the next bf16 GEMM: equal but where
+    the product lies within the exp's two float32 ulps of a bf16 rounding boundary."""
+    gen = torch.Generator().manual_seed(rows + inner)
+    x = (torch.randn(rows, 2 * inner, generator=gen) * 4).to(torch.bfloat16)
+    x[:, :3] = torch.tensor([-90.0, 0.0, 90.0]).to(torch.bfloat16)  # the exp's clamps, silu(0)
+    rows_view = torch.cat([x, x], dim=1)[:, : 2 * inner]  # strided rows, as a GEMM's padding
+    gate, up = x.float().chunk(2, dim=-1)
+    ref = (F.silu(gate) * up).to(torch.bfloat16)
+    for source in (x, rows_view):
+        out = silu_and_mul_bf16_cpu(source)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, inner)
+        if rows:
+            assert (out == ref).float().mean() >= 0.9999 - 1 / out.numel()
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2**-8, atol=1e-30)
+
+
+def test_bf16_mode_mlp_keeps_gate_up_in_bf16_and_returns_float32() -> None:
+    """The bf16 mode's MLP: gate_up's GEMM output goes to the SiLU-and-mul as bf16 and the
+    down projection's output comes back in float32: bf16 operands, float32 sums, each GEMM's
+    output rounded to bf16 (within a rounding of the sums' order)."""
+    from asyncllm.layers.quantization.cpu_bf16 import CpuBf16Config
+    from asyncllm.models.llama import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(64, 96, CpuBf16Config(), "mlp")
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data.normal_(0, 0.1)
+    weights = [layer.weight.detach().clone() for layer in (mlp.gate_up_proj, mlp.down_proj)]
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(5, 64)
+    gate_up = mlp.gate_up_proj(x)
+    assert gate_up.dtype == torch.bfloat16
+    out = mlp(x)
+    assert out.dtype == torch.float32
+    bf16 = [w.to(torch.bfloat16).float() for w in weights]
+    gate, up = (x.to(torch.bfloat16).float() @ bf16[0].T).to(torch.bfloat16).float().chunk(2, -1)
+    act = (F.silu(gate) * up).to(torch.bfloat16).float()
+    ref = (act @ bf16[1].T).to(torch.bfloat16).float()  # oneDNN's bf16 GEMM writes bf16
+    torch.testing.assert_close(out, ref, rtol=2**-8, atol=1e-6)

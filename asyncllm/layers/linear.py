@@ -95,6 +95,10 @@ class LinearBase(nn.Module):
     """forward: combine(quant_method.apply(x, rank_bias)); subclasses say what this rank holds,
     what bias it adds and how the ranks' outputs combine."""
 
+    # True where the consumer reads the output in a packed CPU weight's own dtype (the bf16
+    # mode's gate_up, into silu_and_mul): no float32 copy of it is made
+    keeps_weight_dtype = False
+
     def __init__(
         self,
         input_size: int,

@@ -146,6 +146,7 @@ class MLP(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.gate_up_proj",
         )
+        self.gate_up_proj.keeps_weight_dtype = True  # silu_and_mul takes bf16 on CPU
         self.down_proj = RowParallelLinear(
             intermediate_size,
             hidden_size,

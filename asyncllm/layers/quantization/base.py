@@ -95,16 +95,23 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if getattr(layer, "onednn_packed", False):
-            return packed_linear(x, layer.weight, bias)
+            # packed weights come from float32 parameters: the model computes in float32
+            keep = getattr(layer, "keeps_weight_dtype", False) and bias is None
+            dtype = layer.weight.dtype if keep else torch.float32
+            return packed_linear(x, layer.weight, bias, dtype)
         if single_cuda_row(x):
             return kernels.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) in dtype: the model's float32, or the packed weight's own dtype
+    for a consumer that reads it so (no bias then)."""
     # oneDNN keeps memory for every row count it has seen (RSS grew without bound under random
     # request lengths): pad the rows up to one of a few dozen sizes, at most 1/8 more
-    rows, dtype = x.shape[0], x.dtype
+    rows = x.shape[0]
     padded = padded_rows(rows)
     x = x.to(weight.dtype)
     if padded != rows:
