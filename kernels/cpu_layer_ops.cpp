@@ -1,7 +1,8 @@
 // A decoder layer's per-token float32 ops on CPU, in place and in one pass each, as the Triton
 // kernels do them on a GPU (the norm, the rotary, the KV cache write): at a decode step's 17 rows torch's versions of these ran 10-50 us of
 // a layer in small ops (the rotary's index, chunks, multiplies and cat for q and for k), each a
-// pass over memory and a dispatch (bench/NOTES.md).
+// pass over memory and a dispatch (bench/NOTES.md). And the bf16 mode's SiLU-and-mul, bf16 in
+// and out (float32 inside).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
