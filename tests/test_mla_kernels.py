@@ -283,6 +283,9 @@ def test_mixed_step_equals_absorbed_attention_row_for_row(dtype: torch.dtype) ->
     ref = torch.einsum("thl,hdl->thd", latent, w_uv)
     assert relative_error(out[:19], ref[:19]) < TOLERANCE[dtype]
     assert not out[19:].any()  # padding rows
+    given = torch.full_like(out, float("nan"))  # a buffer of the caller's, written in place
+    assert MLAttention(dims).attend(query, cache, meta, kv_b.to(dtype), given) is given
+    assert torch.equal(given, out)
 
 
 def test_splits_fill_the_gpu_without_a_partial_wave() -> None:

@@ -281,14 +281,13 @@ class MLAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [T, H, nope + rope] -> [T, H, v], written into out when given."""
-        if meta.is_pure_decode or query.shape[0] <= self.max_absorbed_rows:
-            w_uk, w_uv = up_projections(kv_b_weight, self.dims)
-            request, length = row_contexts(meta, query.shape[0])
-            result = attend_absorbed(
-                query, kv_cache, meta.block_tables, request, length, w_uk, w_uv, self.dims
-            )
-        else:
-            result = self._mixed(query, kv_cache, meta, kv_b_weight)
+        if not (meta.is_pure_decode or query.shape[0] <= self.max_absorbed_rows):
+            return self._mixed(query, kv_cache, meta, kv_b_weight, out)
+        w_uk, w_uv = up_projections(kv_b_weight, self.dims)
+        request, length = row_contexts(meta, query.shape[0])
+        result = attend_absorbed(
+            query, kv_cache, meta.block_tables, request, length, w_uk, w_uv, self.dims
+        )
         if out is None:
             return result
         out.copy_(result)
@@ -300,14 +299,19 @@ class MLAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_b_weight: torch.Tensor,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The prompt chunks expanded in one call, the decode rows absorbed in another."""
+        """The prompt chunks expanded in one call, the decode rows absorbed in another, both
+        written into out's rows (padding rows zero)."""
         block_size = kv_cache.shape[2]
         plan = meta.once(
             ("mla_mixed_plan", query.shape[0]),
             lambda: mixed_plan(meta, query.shape[0], block_size),
         )
-        out = query.new_zeros(*query.shape[:2], self.dims.v_head_dim)  # padding rows too
+        if out is None:
+            out = query.new_zeros(*query.shape[:2], self.dims.v_head_dim)
+        else:
+            out.zero_()
         latents = kv_cache[0, :, :, 0].flatten(0, 1)[plan.context_slots]
         prompts = attend_prompts(query[plan.prompt_rows], latents, kv_b_weight, plan, self.dims)
         out.index_copy_(0, plan.prompt_rows, prompts)
