@@ -6,12 +6,15 @@ offline run meet them):
         else choose_gemv_config's 4 rows a program) and over a sweep of GemvConfig, as weight
         bytes per second against the copy bandwidth, and bf16's kernels.gemv; the fastest per
         projection is written with --gemv-winner for ASYNCLLM_FP8_GEMV.
-  gemm  128-512 rows (the offline run's decode batches): where an FP8 layer's time goes,
-        per part: kernels.quantize_fp8 alone, torch._scaled_mm alone (row-wise scales),
-        both (the layer as it runs), and kernels.fp8_rowwise_gemm over a sweep of tiles, against
-        bf16's cuBLAS matmul. --gemm-winner writes the Fp8GemmConfig (with max_rows, the most
-        rows up to which a tile beats _scaled_mm at every row count swept) for
-        ASYNCLLM_FP8_GEMM, per projection; a projection where it never wins stays on _scaled_mm.
+  gemm  32-2,048 rows (the offline run's decode batches, a prompt chunk): where an FP8
+        layer's time goes, per part: kernels.quantize_fp8 alone, torch._scaled_mm alone
+        (row-wise scales), both (the layer as it runs), _scaled_mm with its operands swapped
+        (W x^T, so that cuBLAS tiles the weights' rows; alone and with the transposed output
+        made contiguous) and with fast (FP8-precision) accumulation, and
+        kernels.fp8_rowwise_gemm over a sweep of tiles, against bf16's cuBLAS matmul.
+        --gemm-winner writes the Fp8GemmConfig (with max_rows, the most rows up to which a
+        tile beats _scaled_mm at every row count swept) for ASYNCLLM_FP8_GEMM, per
+        projection; a projection where it never wins stays on _scaled_mm.
 
 Every output is checked against the dequantized operands.
 
@@ -38,7 +41,7 @@ from bench.throughput import copy_bandwidth  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig  # noqa: E402
 from kernels.gemv_kernels import FP8_GEMV_BY_SHAPE, GemvConfig, choose_gemv_config  # noqa: E402
 
-ROWS = (128, 256, 512)
+ROWS = (32, 64, 128, 256, 512, 2048)
 # around choose_gemv_config's 4 rows of e4m3 a program, 4096 of K a tile, 8 warps; and programs
 # taking row blocks in turn (x read once, the next block loading), 1-3 a SM (95 registers at 4
 # rows of 4096, 169 at 8, 219 at 2 of 16384 for the 14336-wide down_proj; ptxas for sm_90)
@@ -127,13 +130,31 @@ def sweep_gemm(n: int, k: int, m: int) -> dict:
     def layer(i):
         return scaled_mm(i, *kernels.quantize_fp8(x))
 
+    def swapped(i):  # W x^T: cuBLAS tiles the weights' N where it tiled the few rows
+        wq_i, w_scale_i = fp8[i]
+        return torch._scaled_mm(
+            wq_i, xq.t(), w_scale_i.view(-1, 1), x_scale.view(1, -1), out_dtype=torch.bfloat16
+        ).t()
+
+    def fast_accum(i):
+        return torch._scaled_mm(
+            xq, fp8[i][0].t(), x_scale, fp8[i][1], out_dtype=torch.bfloat16, use_fast_accum=True
+        )
+
     parts = {
         "bf16_matmul": time_ms(lambda i: x @ w16[i][0].t(), len(w16)),
         "quantize_fp8": time_ms(lambda i: kernels.quantize_fp8(x), 1),
         "scaled_mm": time_ms(scaled_mm, len(fp8)),
         "quantize_and_scaled_mm": time_ms(layer, len(fp8)),
+        "scaled_mm_swapped": time_ms(swapped, len(fp8)),
+        "scaled_mm_swapped_contiguous": time_ms(lambda i: swapped(i).contiguous(), len(fp8)),
+        "scaled_mm_fast_accum": time_ms(fast_accum, len(fp8)),
     }
-    errors = {"scaled_mm": relative_error(scaled_mm(0), ref)}
+    errors = {
+        "scaled_mm": relative_error(scaled_mm(0), ref),
+        "scaled_mm_swapped": relative_error(swapped(0), ref),
+        "scaled_mm_fast_accum": relative_error(fast_accum(0), ref),
+    }
     tiles = []
     for config in GEMM_CONFIGS:
 
@@ -195,7 +216,10 @@ def report_gemm(case: dict) -> None:
     best = min(case["triton"], key=lambda r: r["ms"])
     print(f"{case['n']}x{case['k']} rows {case['rows']}: bf16 {parts['bf16_matmul'] * 1e3:.1f} us,"
           f" fp8 layer {parts['quantize_and_scaled_mm'] * 1e3:.1f} (quantize "
-          f"{parts['quantize_fp8'] * 1e3:.1f}, _scaled_mm {parts['scaled_mm'] * 1e3:.1f}), "
+          f"{parts['quantize_fp8'] * 1e3:.1f}, _scaled_mm {parts['scaled_mm'] * 1e3:.1f}, "
+          f"swapped {parts['scaled_mm_swapped'] * 1e3:.1f} / contiguous "
+          f"{parts['scaled_mm_swapped_contiguous'] * 1e3:.1f}, fast accumulation "
+          f"{parts['scaled_mm_fast_accum'] * 1e3:.1f}), "
           f"triton best {best['ms'] * 1e3:.1f} {best['config']}")  # fmt: skip
 
 

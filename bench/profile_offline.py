@@ -67,12 +67,13 @@ def idle_breakdown(kernels: list[tuple[float, float, str]], top: int = 8) -> dic
     }
 
 
-def dummy_llm(shape: str, max_num_batched_tokens: int) -> LLM:
-    """An engine over a benchmark shape with dummy weights."""
+def dummy_llm(shape: str, max_num_batched_tokens: int, quantization: str | None = None) -> LLM:
+    """An engine over a benchmark shape with dummy weights (quantized at load if asked)."""
     path = write_shape(shape, Path(tempfile.mkdtemp(prefix=f"{shape}-")))
     return LLM(
         model=str(path),
         load_format="dummy",
+        quantization=quantization,
         max_model_len=4096,
         max_num_batched_tokens=max_num_batched_tokens,
     )
@@ -85,12 +86,13 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--quantization", help="e.g. fp8: the weights quantized at load")
 
 
 def warmed_up_workload(args: argparse.Namespace) -> tuple[LLM, list[dict], list[SamplingParams]]:
     """An engine over the shape with dummy weights, after a short warm-up generation, and the
     workload's prompts and sampling params."""
-    llm = dummy_llm(args.shape, args.max_num_batched_tokens)
+    llm = dummy_llm(args.shape, args.max_num_batched_tokens, args.quantization)
     vocab = SHAPES[args.shape]["vocab_size"]
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab, 0)
     prompts = [{"prompt_token_ids": p} for p, _ in workload]

@@ -17,7 +17,9 @@ one mode's memory never crowds the next):
            against it (the issue asks FP8 >= 70%)
 Modes: bf16; fp8 (`--quantization fp8`, quantized at load); int4 (GPTQ 4-bit, group 128,
 symmetric, dummy packed weights); fp8-kv (bf16 weights, `--kv-cache-dtype fp8`; the issue asks
-its offline workload to be at least as fast as bf16's).
+its offline workload to be at least as fast as bf16's); fp8-all (FP8 weights and an FP8 cache).
+Offline, each mode is also set against its own floor (offline_floor_seconds), from the bf16
+and FP8 matmul rates and the copy bandwidth measured in the same run.
 
 `--part decode,offline` runs both on one load of each engine (the load and its graphs take
 most of a part's minutes): every mode decodes, the modes of --offline-modes also run the
@@ -57,10 +59,17 @@ from asyncllm import LLM, SamplingParams  # noqa: E402
 from asyncllm.layers.quantization.fp8 import quantize_activations, quantize_per_row  # noqa: E402
 from asyncllm.layers.quantization.int4 import pack_int4  # noqa: E402
 from asyncllm.models.shapes import SHAPES, write_shape  # noqa: E402
-from bench.throughput import copy_bandwidth, make_workload, single_stream  # noqa: E402
+from bench.throughput import (  # noqa: E402
+    copy_bandwidth,
+    decode_contexts,
+    make_workload,
+    matmul_rate,
+    prefill_flops,
+    single_stream,
+)
 
 SHAPE = "llama-3.1-8b"
-MODES = ("bf16", "fp8", "int4", "fp8-kv")
+MODES = ("bf16", "fp8", "int4", "fp8-kv", "fp8-all")
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 # (N, K) of a layer's projections: qkv_proj, o_proj, gate_up_proj, down_proj
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -81,8 +90,8 @@ def run_engine(mode: str, parts: list[str]) -> dict:
     llm = LLM(
         model=str(model_folder(mode)),
         load_format="dummy",
-        quantization="fp8" if mode == "fp8" else None,
-        kv_cache_dtype="fp8" if mode == "fp8-kv" else "auto",
+        quantization="fp8" if mode in ("fp8", "fp8-all") else None,
+        kv_cache_dtype="fp8" if mode in ("fp8-kv", "fp8-all") else "auto",
         max_model_len=4096,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
@@ -125,9 +134,41 @@ def weight_bytes(mode: str) -> float:
     scales and zeros per 128 values, FP8 its fp32 scale per row)."""
     shape = SHAPES[SHAPE]
     per_layer = sum(n * k for n, k in PROJECTIONS)
-    width = {"bf16": 2.0, "fp8-kv": 2.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}[mode]
+    width = {"bf16": 2.0, "fp8-kv": 2.0, "fp8": 1.0, "fp8-all": 1.0, "int4": 0.5 + 4 / 128}[mode]
     lm_head = shape["vocab_size"] * shape["hidden_size"] * 2
     return shape["num_hidden_layers"] * per_layer * width + lm_head
+
+
+def fp8_matmul_rate(device: torch.device) -> float:
+    """FLOP/s of torch._scaled_mm on square 8,192 e4m3 operands (row-wise scales)."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    scale_a = torch.ones(n, 1, device=device)
+    scale_b = torch.ones(1, n, device=device)
+    ms = median_ms(lambda: torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16))
+    return 2 * n**3 / (ms / 1e3)
+
+
+def offline_floor_seconds(mode: str, rates: dict[str, float], bandwidth: float) -> float:
+    """bench/throughput.py's floor of the offline workload in this mode: the prompts'
+    projection FLOPs at the mode's GEMM rate (FP8's for FP8 weights, bf16's else: 4-bit
+    computes in bf16), the rest (lm_head, attention) at bf16's, then each decode step (all
+    requests in lockstep) reading the mode's weight bytes and every live request's KV in the
+    cache's width once at the copy bandwidth."""
+    config = transformers.LlamaConfig(**SHAPES[SHAPE])
+    workload = make_workload(256, 100, 1024, SHAPES[SHAPE]["vocab_size"], 0)
+    projections = config.num_hidden_layers * sum(n * k for n, k in PROJECTIONS)
+    projection_flops = 2 * projections * sum(len(p) for p, _ in workload)
+    rest_flops = prefill_flops(config, workload) - projection_flops
+    gemm_rate = rates["fp8" if mode in ("fp8", "fp8-all") else "bf16"]
+    seconds = projection_flops / gemm_rate + rest_flops / rates["bf16"]
+    kv_width = 1 if mode in ("fp8-kv", "fp8-all") else 2
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    for live in decode_contexts(workload):
+        seconds += (weight_bytes(mode) + kv_per_token * sum(live) * kv_width) / bandwidth
+    return seconds
 
 
 def median_ms(fn) -> float:
@@ -224,16 +265,20 @@ def projection_gemms(n: int, k: int, m: int) -> list[tuple[str, object, float]]:
     ]
 
 
-def summarize(part: str, runs: dict[str, dict], bandwidth: float) -> dict[str, dict]:
-    """Each mode's run of the part against bf16's (and, decoding, against its floor); prints
-    the latest mode's."""
+def summarize(part: str, runs: dict[str, dict], header: dict) -> dict[str, dict]:
+    """Each mode's run of the part against bf16's and against its floor; prints the latest
+    mode's."""
     key = "output_tokens_per_s" if part == "offline" else "decode_tokens_per_s"
+    bandwidth = header["copy_bytes_per_s"]
     for mode, run in runs.items():
         if "bf16" in runs:
             run["vs_bf16"] = run[key] / runs["bf16"][key]
         if part == "decode":
             run["floor_tokens_per_s"] = bandwidth / weight_bytes(mode)
-            run["of_floor"] = run[key] / run["floor_tokens_per_s"]
+        else:
+            floor = offline_floor_seconds(mode, header["matmul_flops_per_s"], bandwidth)
+            run["floor_tokens_per_s"] = run["output_tokens"] / floor
+        run["of_floor"] = run[key] / run["floor_tokens_per_s"]
     print(
         f"{part} {mode}: {run[key]:.1f} tokens/s"
         + (f", {run['vs_bf16']:.2f}x bf16" if "vs_bf16" in run else "")
@@ -257,7 +302,7 @@ def run_modes(args: argparse.Namespace, parts: list[str], header: dict) -> None:
         for part in mode_parts:
             part_runs = {m: dict(run[part]) for m, run in runs.items() if part in run}
             result = {"benchmark": f"quant_{part}", **header}
-            result["modes"] = summarize(part, part_runs, header["copy_bytes_per_s"])
+            result["modes"] = summarize(part, part_runs, header)
             write(result, args.out, part)
 
 
@@ -316,6 +361,10 @@ def main() -> None:
         },
         "shape": SHAPE,
         "copy_bytes_per_s": bandwidth,
+        "matmul_flops_per_s": {
+            "bf16": matmul_rate(device, torch.bfloat16),
+            "fp8": fp8_matmul_rate(device),
+        },
         "launch_overrides": {name: os.environ[name] for name in OVERRIDES if name in os.environ},
     }
     if parts == ["kernels"]:

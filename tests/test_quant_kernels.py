@@ -314,8 +314,9 @@ def test_gemv_reads_fp8_weights(n: int, k: int, programs_per_sm: int) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
-# (M, K, group): one group per row, a row longer than one 4096 tile, a partial last group
-QUANT_CASES = [(3, 100, None), (2, 5000, None), (5, 300, 128), (1, 40, 16)]
+# (M, K, group): one group per row read once (awkward widths), a row too long for one read
+# (read in 16K blocks, the last partial), groups with a partial last one
+QUANT_CASES = [(3, 100, None), (2, 5000, None), (2, 20000, None), (5, 300, 128), (1, 40, 16)]
 
 
 @pytest.mark.parametrize(("m", "k", "group"), QUANT_CASES)
@@ -341,12 +342,13 @@ def test_quantize_fp8_equals_the_torch_reference(m, k, group, dtype) -> None:
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def test_quantize_fp8_with_a_static_scale() -> None:
+@pytest.mark.parametrize("k", [70, 20000])
+def test_quantize_fp8_with_a_static_scale(k) -> None:
     """e4m3 values times the scale (exact under the interpreter too, see above), and values
-    past 448 times it, which clamp."""
-    x = torch.randn(4, 70, generator=torch.Generator().manual_seed(0)) * 100
+    past 448 times it, which clamp; in one read and in 16K blocks."""
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(0)) * 100
     x = x.to(torch.float8_e4m3fn).float() / 2
-    x[:, ::9] = torch.tensor([500.0, -2000.0]).repeat(4, 4)
+    x[:, ::9] = torch.tensor([500.0, -2000.0]).repeat(4, 1 + k // 18)[:, : len(range(0, k, 9))]
     x = x.to(DEVICE)
     static = torch.tensor([0.5], device=DEVICE)
     q, scales = kernels.quantize_fp8(x, static_scale=static)
