@@ -23,8 +23,11 @@ decode sizes against the copy bandwidth over the experts it reads, at prefill si
 bf16 matmul rate, and at every size against its roofline: the larger of its FLOPs at the matmul
 rate and its least bytes (the experts read, x, the output) at the copy bandwidth. Each size's
 time is split into its phases, each replayed alone: the routing (torch ops and the kernel), the
-alignment, the gate/up GEMM, the down GEMM, the top-k sum. Then the paged MLA decode kernel
-(DeepSeek shapes) against the copy bandwidth over the latent cache it reads.
+alignment, the gate/up GEMM, the down GEMM, the top-k sum. At one pair a tile (a token or
+two) also the gate/up as grouped GEMVs (kernels/moe_gemv.py) over a few launch settings, and
+the whole fused MoE with them (default settings) in place of the gate/up GEMM (`up_gemv`). Then
+the paged MLA decode kernel (DeepSeek shapes) against the copy bandwidth over the latent cache
+it reads.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from bench.throughput import (  # noqa: E402
     matmul_rate,
     run_asyncllm,
 )
+from kernels._common import next_pow2  # noqa: E402
 from kernels.fused_moe import (  # noqa: E402
     ExpertAlignment,
     MoeTileConfig,
@@ -69,11 +73,14 @@ from kernels.fused_moe import (  # noqa: E402
     tiles_to_json,
 )
 from kernels.mla_decode import paged_mla_decode  # noqa: E402
+from kernels.moe_gemv import MoeGemvConfig, default_moe_gemv_config, up_gemv  # noqa: E402
 from kernels.moe_routing import route_top_k  # noqa: E402
 
 MOE_SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"]
 DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 PREFILL_SIZES = [512, 2048, 8192]
+# the gate/up GEMV's settings timed at one pair a tile: (block_n, block_k, num_warps)
+UP_GEMV_SETTINGS = [(2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 1024, 8), (8, 2048, 8)]
 DTYPE = torch.bfloat16
 BYTES = 2
 
@@ -386,6 +393,9 @@ class MoeProblem:
         weights, hidden = self.weights.flatten(), self.w2.shape[1]
         grouped_gemm(self.activated, self.w2, self.out, alignment, weights, 1, hidden, config)
 
+    def up_gemv(self, config: MoeGemvConfig) -> None:
+        up_gemv(self.x, self.w13, self.ids.flatten(), self.activated, config)
+
     def summed_down(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
         """down with the top-k sum in it (one pair a tile only; alignment unused)."""
         ids, weights = self.ids.flatten(), self.weights.flatten()
@@ -459,10 +469,37 @@ def moe_kernel(config, rates: dict) -> list[dict]:
             row["fraction_of_matmul_rate"] = traffic["flops"] / seconds / matmul
         logits = torch.randn(tokens, g["experts"], device=x.device, dtype=DTYPE)
         row["phases"] = phase_seconds(problem, routing, logits, tiles)
+        if problem.align(tiles.up.block_m).one_pair_tiles:
+            row["up_gemv"] = up_gemv_timings(problem, tiles, weight_bytes, copy)
         row["tiles"] = tiles_to_json(tiles)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tiles"}))
     return rows
+
+
+def up_gemv_timings(problem: MoeProblem, tiles: MoeTiles, weight_bytes: int, copy: float) -> dict:
+    """The gate/up GEMV alone under each of UP_GEMV_SETTINGS (checked against the GEMM's
+    output), and the whole fused MoE with it (default settings) in place of the gate/up GEMM."""
+    problem.up(problem.align(tiles.up.block_m), tiles.up)
+    expected = problem.activated.clone()
+    settings = {}
+    for block_n, block_k, num_warps in UP_GEMV_SETTINGS:
+        config = MoeGemvConfig(block_n, min(block_k, next_pow2(problem.x.shape[1])), num_warps)
+        problem.up_gemv(config)
+        error = (problem.activated.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 2e-2, (config, error.item())
+        settings[str(dataclasses.astuple(config))] = graph_seconds(
+            lambda c=config: problem.up_gemv(c)
+        )
+    best = min(settings, key=settings.get)
+    whole = time_call(problem.whole, dataclasses.replace(tiles, up_gemv=True), rep=20)
+    return {
+        "default_config": dataclasses.asdict(default_moe_gemv_config(problem.x.shape[1])),
+        "up_s_by_config": settings,
+        "best_config": best,
+        "whole_seconds": whole,
+        "whole_fraction_of_copy_bandwidth": weight_bytes / whole / copy,
+    }
 
 
 def mla_kernel(config, rates: dict) -> list[dict]:

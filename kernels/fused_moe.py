@@ -5,7 +5,8 @@ The pairs are sorted by expert and each expert's run cut into row tiles (align_b
 full tiles of block_m, the rest padded to block_m or, with tail_m, to tiles of tail_m rows
 launched apart; so every row tile of the grouped GEMM belongs to one expert and reads its
 weights once; the padding rows hold a sentinel index past the last pair and are masked.
-At a token or two each row tile takes one pair instead, with no alignment launches at all.
+At a token or two each row tile takes one pair instead, with no alignment launches at all,
+and gate/up may run as grouped GEMVs instead (MoeTiles.up_gemv, kernels/moe_gemv.py).
 The two GEMMs take tiles of their own (MoeTiles), tuned per shape and batch size on the
 device (bench/moe_tune.py) into fused_moe_configs/.
 Everything stays on the device with fixed-size outputs: no host sync, so CUDA graphs capture it.
@@ -26,6 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._common import dot_precision, next_pow2, uses_pdl
+from kernels.moe_gemv import up_gemv
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
 # chunk x experts one-hot tile of the alignment kernels: 16K int32 spread over the warps
@@ -61,6 +63,8 @@ class MoeTiles:
     tail_m: int = 0
     # at one pair a tile: each down program sums its token's k choices (summed_down)
     sum_in_down: bool = False
+    # at one pair a tile: gate/up as grouped GEMVs (kernels.moe_gemv), not 16-row MMA tiles
+    up_gemv: bool = False
 
     def __post_init__(self) -> None:
         block_m = self.up.block_m
@@ -640,7 +644,10 @@ def fused_experts(
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     alignment = align_for(topk_ids, tiles.up.block_m, num_experts, tiles.tail_m)
     activated = torch.empty(num_tokens * top_k, inner, dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
+    if alignment.one_pair_tiles and tiles.up_gemv:
+        up_gemv(x, w13, topk_ids.flatten(), activated)
+    else:
+        grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
     weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
     if alignment.one_pair_tiles and tiles.sum_in_down:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
@@ -723,10 +730,19 @@ def tiles_from_json(entry: dict) -> MoeTiles:
     (older tables)."""
     if "up" in entry:
         up, down = MoeTileConfig(**entry["up"]), MoeTileConfig(**entry["down"])
-        return MoeTiles(up, down, entry.get("tail_m", 0), entry.get("sum_in_down", False))
+        extras = {
+            name: entry[name] for name in ("tail_m", "sum_in_down", "up_gemv") if name in entry
+        }
+        return MoeTiles(up, down, **extras)
     return MoeTiles.same(MoeTileConfig(**entry))
 
 
 def tiles_to_json(tiles: MoeTiles) -> dict:
     up, down = dataclasses.asdict(tiles.up), dataclasses.asdict(tiles.down)
-    return {"up": up, "down": down, "tail_m": tiles.tail_m, "sum_in_down": tiles.sum_in_down}
+    return {
+        "up": up,
+        "down": down,
+        "tail_m": tiles.tail_m,
+        "sum_in_down": tiles.sum_in_down,
+        "up_gemv": tiles.up_gemv,
+    }

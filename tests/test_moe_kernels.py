@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from asyncllm.layers.fused_moe.torch_experts import torch_experts
 from kernels.fused_moe import (
@@ -21,6 +22,7 @@ from kernels.fused_moe import (
     tiles_to_json,
     uses_one_pair_tiles,
 )
+from kernels.moe_gemv import MoeGemvConfig, up_gemv
 
 FULL = torch.cuda.is_available()
 DEVICE = "cuda" if FULL else "cpu"
@@ -43,6 +45,8 @@ TMA_TILES = MoeTiles(
 # at one pair a tile (a token of two choices) the down GEMM sums them itself; down's K (40 on
 # CPU) past its 32-wide tile
 SUMMED_TILES = MoeTiles(SMALL_TILES, MoeTileConfig(16, 32, 32, 1, 4, 2), sum_in_down=True)
+# at one pair a tile gate/up as grouped GEMVs (the other routings ignore it)
+GEMV_TILES = MoeTiles(SMALL_TILES, SMALL_TILES, up_gemv=True)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -81,7 +85,7 @@ ROUTINGS = {
 # every tiling in fp32 under the interpreter; on a GPU, where each one compiles, the tuned
 # tables' bf16 with all but mixed (tailed and tma have tiles of their own per GEMM too) and
 # fp32 with the default's
-TILINGS = ["small", "mixed", "tailed", "tma", "summed", "default"]
+TILINGS = ["small", "mixed", "tailed", "tma", "summed", "gemv", "default"]
 TILINGS_BY_DTYPE = [
     (tiles, dtype)
     for tiles in TILINGS
@@ -102,6 +106,7 @@ def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) ->
         "tailed": TAILED_TILES,
         "tma": TMA_TILES,
         "summed": SUMMED_TILES,
+        "gemv": GEMV_TILES,
         "default": MoeTiles.same(default_tile_config(x.shape[0])),
     }[tiles]
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
@@ -199,10 +204,10 @@ def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
     assert default_tile_config(8).block_m == 16
 
 
-@pytest.mark.parametrize("sum_in_down", [False, True])
+@pytest.mark.parametrize(("sum_in_down", "up_gemv"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("name", ["three_tokens_some_experts_idle", "odd_batch_random"])
 def test_one_pair_tiles_match_torch_when_pairs_share_experts(
-    name, sum_in_down, monkeypatch
+    name, sum_in_down, up_gemv, monkeypatch
 ) -> None:
     import kernels.fused_moe as fused_moe
 
@@ -211,10 +216,30 @@ def test_one_pair_tiles_match_torch_when_pairs_share_experts(
     w13, w2 = weights(torch.float32)
     x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE)
     config = default_tile_config(1)
-    tiles = MoeTiles(config, config, sum_in_down=sum_in_down)
+    tiles = MoeTiles(config, config, sum_in_down=sum_in_down, up_gemv=up_gemv)
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, tiles)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert relative_error(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [(MoeGemvConfig(16, 32, 4), torch.float32), (MoeGemvConfig(8, 64, 4), torch.float32)]
+    + [(None, torch.bfloat16)] * FULL,
+)
+def test_up_gemv_equals_silu_and_mul_of_each_pairs_expert(config, dtype) -> None:
+    """On CPU (I 40, K 48): a partial last block of rows and K in two tiles, the second
+    partial; or K in one partial tile. Both pairs of a token on one expert, experts unused."""
+    num_experts, hidden, inner = SHAPE
+    w13, _ = weights(dtype)
+    topk_weights, topk_ids = routing([[3, 3], [0, 2]])
+    x = torch.randn(2, hidden, device=DEVICE).to(dtype)
+    out = torch.empty(4, inner, device=DEVICE, dtype=dtype)
+    up_gemv(x, w13, topk_ids.flatten(), out, config)
+    pairs = topk_ids.flatten().long()
+    gate_up = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(2, 0), w13[pairs].float())
+    ref = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+    assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
 def test_one_pair_tiles_only_where_pairs_rarely_share_experts() -> None:
@@ -233,7 +258,7 @@ def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
     assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
 
 
-@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES, SUMMED_TILES])
+@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES, SUMMED_TILES, GEMV_TILES])
 def test_tiles_round_trip_through_the_table_format(tiles: MoeTiles) -> None:
     assert tiles_from_json(json.loads(json.dumps(tiles_to_json(tiles)))) == tiles
 
