@@ -4,8 +4,10 @@ activation quantization as one launch instead of torch's abs, amax, divide, clam
 Each program owns one row's group. A group of up to 16K values (Llama's 14,336-wide down_proj
 input included) is held in registers, 32 a thread, and read once: a loop over 4K-wide blocks,
 reading again to divide, made the max and the division two chains of dependent DRAM round trips
-(11 us at 128 rows of 14,336 on the H200, a sixth of the FP8 layer). Longer groups are read
-twice, the second time mostly from cache. Both divisions round to nearest, as torch's do, so q
+(8.9 against 5.2 us at 128 rows of 14,336 on the H200). From 1,024 rows on, groups wider than
+4K take that loop on 4 warps again: there the 16-warp programs, fewer of them resident, lost
+(45 against 43 us at 2,048 rows, 163 against 132 at 8,192; quantize_fp8_variants_h200.json).
+Looped groups are read twice, the second time mostly from cache. Both divisions round to nearest, as torch's do, so q
 and the scales equal the torch reference's bit for bit. With a static scale the max is skipped.
 """
 
@@ -21,6 +23,9 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 # the widest group read once, and the values a thread holds of it
 _ONE_READ_MAX = 16384
 _VALUES_PER_THREAD = 32
+# groups wider than the loop's block are read once only up to this many rows (see above)
+_LOOP_BLOCK = 4096
+_ONE_READ_MAX_WIDE_ROWS = 1024
 
 
 @triton.jit
@@ -97,7 +102,11 @@ def quantize_fp8(
     else:
         scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if rows:
-        block = min(next_pow2(group), _ONE_READ_MAX)
+        block = next_pow2(group)
+        one_read = block <= _LOOP_BLOCK or (
+            block <= _ONE_READ_MAX and rows <= _ONE_READ_MAX_WIDE_ROWS
+        )
+        block = block if one_read else _LOOP_BLOCK
         _quantize_fp8_kernel[(rows, groups)](
             x,
             q,
@@ -107,7 +116,7 @@ def quantize_fp8(
             FP8_MAX,
             min_scale,
             STATIC=static_scale is not None,
-            ONE_READ=group <= block,
+            ONE_READ=one_read,
             BLOCK=block,
             num_warps=min(max(block // (32 * _VALUES_PER_THREAD), 1), 16),
         )

@@ -315,7 +315,7 @@ def test_gemv_reads_fp8_weights(n: int, k: int, programs_per_sm: int) -> None:
 
 
 # (M, K, group): one group per row read once (awkward widths), a row too long for one read
-# (read in 16K blocks, the last partial), groups with a partial last one
+# (read in 4K blocks, the last partial), groups with a partial last one
 QUANT_CASES = [(3, 100, None), (2, 5000, None), (2, 20000, None), (5, 300, 128), (1, 40, 16)]
 
 
@@ -340,6 +340,20 @@ def test_quantize_fp8_equals_the_torch_reference(m, k, group, dtype) -> None:
     q_ref, scales_ref = quantize_per_row(x) if group is None else quantize_per_token_group(x, group)
     assert torch.equal(scales, scales_ref.view(m, -1))
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quantize_fp8_loops_over_wide_rows_of_many_row_batches(monkeypatch) -> None:
+    """Past _ONE_READ_MAX_WIDE_ROWS rows (here 2) a row wider than 4K is looped over, with
+    the same result."""
+    import kernels.fp8_quant as fp8_quant
+
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1))
+    x = (x.to(torch.float8_e4m3fn).float() / 8).to(DEVICE)
+    once = kernels.quantize_fp8(x, min_scale=MIN_SCALE)
+    monkeypatch.setattr(fp8_quant, "_ONE_READ_MAX_WIDE_ROWS", 2)
+    looped = kernels.quantize_fp8(x, min_scale=MIN_SCALE)
+    assert torch.equal(once[1], looped[1])
+    assert torch.equal(once[0].view(torch.uint8), looped[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("k", [70, 20000])
