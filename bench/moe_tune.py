@@ -8,8 +8,9 @@ tails of tail_m rows), the alignment, the gate/up GEMM under each of its candida
 the down GEMM under each of its own, all CUDA-graph replayed. The alignment whose align + up +
 down is least wins; its best few tiles of each GEMM are timed again under other GROUP_M orders
 and with the weights read through TMA descriptors. Then the whole fused_experts is timed with
-the winner, with the table it replaces (before) and with the default rule, in one process, and
-the table keeps the fastest of the three. The table file is rewritten after every size, so a
+the winner, with the table it replaces (before), with the default rule and, at one pair a tile
+(a token or two), with the winner's gate/up as grouped GEMVs (MoeTiles.up_gemv), in one
+process, and the table keeps the fastest. The table file is rewritten after every size, so a
 run cut short keeps what it found.
 
 The candidates compile first, in a pool of processes (Triton's disk cache then serves the
@@ -259,14 +260,14 @@ def tune(shape: str, sizes: list[int]) -> dict:
 
 
 def _size_row(problem, tokens: int, g: dict, tiles: MoeTiles, old: MoeTiles, found: dict) -> dict:
-    """The winner against the tiles it replaces and the default rule, whole calls in one run;
-    the table keeps the fastest of the three (the phases timed apart may not add up)."""
+    """The winner against the tiles it replaces and the default rule, and at one pair a tile
+    the winner with its gate/up as grouped GEMVs, whole calls in one run; the table keeps the
+    fastest (the phases timed apart may not add up)."""
     default = MoeTiles.same(default_tile_config(tokens, tokens * g["top_k"] / g["experts"]))
-    whole = {
-        "tuned": (whole_seconds(problem, tiles), tiles),
-        "before": (whole_seconds(problem, old), old),
-        "default": (whole_seconds(problem, default), default),
-    }
+    candidates = {"tuned": tiles, "before": old, "default": default}
+    if problem.align(tiles.up.block_m).one_pair_tiles:
+        candidates["tuned_up_gemv"] = dataclasses.replace(tiles, up_gemv=True)
+    whole = {name: (whole_seconds(problem, t), t) for name, t in candidates.items()}
     kept = min(whole, key=lambda name: whole[name][0])
     return {
         "tokens": tokens,
