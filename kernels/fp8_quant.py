@@ -2,13 +2,14 @@
 activation quantization as one launch instead of torch's abs, amax, divide, clamp and cast.
 
 Each program owns one row's group. A group of up to 16K values (Llama's 14,336-wide down_proj
-input included) is held in registers, 32 a thread, and read once: a loop over 4K-wide blocks,
-reading again to divide, made the max and the division two chains of dependent DRAM round trips
-(8.9 against 5.2 us at 128 rows of 14,336 on the H200). From 1,024 rows on, groups wider than
-4K take that loop on 4 warps again: there the 16-warp programs, fewer of them resident, lost
-(45 against 43 us at 2,048 rows, 163 against 132 at 8,192; quantize_fp8_variants_h200.json).
-Looped groups are read twice, the second time mostly from cache. Both divisions round to nearest, as torch's do, so q
-and the scales equal the torch reference's bit for bit. With a static scale the max is skipped.
+input included) is held in registers, 32 a thread, and read once: the loop over 4K-wide blocks
+that reads it twice, for the max and to divide, is two chains of dependent DRAM round trips
+(at 128 rows of 14,336 on the H200 the loop took 8.9 us, one read 5.2). From 1,024 rows on,
+groups wider than 4K take the loop on 4 warps again: there the 16-warp programs, fewer of them
+resident, lost (45 against 43 us at 2,048 rows, 163 against 132 at 8,192;
+bench/results/quantize_fp8_variants_h200.json). The loop's second read mostly hits cache.
+Both divisions round to nearest, as torch's do, so q and the scales equal the torch
+reference's bit for bit. With a static scale the max is skipped.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def quantize_fp8(
             block <= _ONE_READ_MAX and rows <= _ONE_READ_MAX_WIDE_ROWS
         )
         block = block if one_read else _LOOP_BLOCK
+        # 4 warps at least, as before for groups of 4K and less (the block-wise 128s included)
+        num_warps = min(max(block // (32 * _VALUES_PER_THREAD), 4), 16)
         _quantize_fp8_kernel[(rows, groups)](
             x,
             q,
@@ -118,6 +121,6 @@ def quantize_fp8(
             STATIC=static_scale is not None,
             ONE_READ=one_read,
             BLOCK=block,
-            num_warps=min(max(block // (32 * _VALUES_PER_THREAD), 1), 16),
+            num_warps=num_warps,
         )
     return q, scales
