@@ -52,6 +52,7 @@ def _up_gemv_kernel(
     out_ptr,
     N,
     K,
+    stride_xm,
     stride_we,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -68,7 +69,7 @@ def _up_gemv_kernel(
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     gate_rows = w_ptr + expert * stride_we + rows.to(tl.int64) * K
     up_rows = gate_rows + N * K
-    x_row = x_ptr + (pair // TOP_K) * K
+    x_row = x_ptr + (pair // TOP_K) * stride_xm
     k = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -97,7 +98,7 @@ def up_gemv(
     [T, H], w13 [E, 2 * I, H] (gate rows, then up rows), expert_ids [T * k] (flat topk ids)."""
     num_pairs, inner = out.shape
     hidden = x.shape[1]
-    assert x.is_contiguous() and w13.stride(1) == hidden and w13.stride(2) == 1
+    assert x.stride(1) == 1 and w13.stride(1) == hidden and w13.stride(2) == 1
     assert out.is_contiguous() and w13.shape[1] == 2 * inner
     config = config or default_moe_gemv_config(hidden)
     pdl = uses_pdl(x.device)
@@ -108,6 +109,7 @@ def up_gemv(
         out,
         inner,
         hidden,
+        x.stride(0),
         w13.stride(0),
         TOP_K=num_pairs // x.shape[0],
         BLOCK_N=config.block_n,

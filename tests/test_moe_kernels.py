@@ -229,11 +229,12 @@ def test_one_pair_tiles_match_torch_when_pairs_share_experts(
 )
 def test_up_gemv_equals_silu_and_mul_of_each_pairs_expert(config, dtype) -> None:
     """On CPU (I 40, K 48): a partial last block of rows and K in two tiles, the second
-    partial; or K in one partial tile. Both pairs of a token on one expert, experts unused."""
+    partial; or K in one partial tile. Both pairs of a token on one expert, experts unused;
+    x's rows not packed."""
     num_experts, hidden, inner = SHAPE
     w13, _ = weights(dtype)
     topk_weights, topk_ids = routing([[3, 3], [0, 2]])
-    x = torch.randn(2, hidden, device=DEVICE).to(dtype)
+    x = torch.randn(2, hidden + 8, device=DEVICE).to(dtype)[:, :hidden]  # rows apart
     out = torch.empty(4, inner, device=DEVICE, dtype=dtype)
     up_gemv(x, w13, topk_ids.flatten(), out, config)
     pairs = topk_ids.flatten().long()
