@@ -165,21 +165,17 @@ class TileCursor {
   const Shape& shape_;
 };
 
-// The next tile's K and V rows on their way to the cache while this tile is computed: a
-// request's blocks lie anywhere in the cache, where the hardware prefetcher does not follow.
-// Into L2 (prefetcht2), not L1: a tile's 192 lines are more than L1's outstanding misses, and
-// a decode step's caches come from DRAM; on a Zen 4, 30 layers' attention at 32 x 215 tokens
-// took 36.7 ms of one thread against 44.3 into L1 (bench/NOTES.md, stop 35).
+// The next tile's rows of one half of the cache (K or V) on their way to L2 while this tile is
+// computed: a request's blocks lie anywhere in the cache, where the hardware prefetcher does not
+// follow. K's are asked for before the scores and V's before the values, not both at once: on a
+// Zen 4 (30 layers at 32 x 215 tokens, one thread) 192 lines in one burst took 37-41 ms, two
+// bursts of 96 27-28; into L1 (prefetcht0) 57, two or three tiles ahead 31-34.
 template <typename scalar_t>
-void prefetch_rows(const scalar_t* keys, const scalar_t* values, const int64_t* rows, int n,
-                   int64_t D) {
+void prefetch_rows(const scalar_t* half, const int64_t* rows, int n, int64_t D) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
   constexpr int kRead = 0, kL2 = 1;  // __builtin_prefetch's rw and locality arguments
   for (int t = 0; t < n; ++t)
-    for (int64_t d = 0; d < D; d += kLine) {
-      __builtin_prefetch(keys + rows[t] + d, kRead, kL2);
-      __builtin_prefetch(values + rows[t] + d, kRead, kL2);
-    }
+    for (int64_t d = 0; d < D; d += kLine) __builtin_prefetch(half + rows[t] + d, kRead, kL2);
 }
 
 // The scores of NH heads against the kTile rows: scores[h * kTile + t] = q_h . k_t.
@@ -280,7 +276,7 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
     const int64_t* current = rows[tile % 2];
     const int n = n_next;
     n_next = cursor.next(rows[(tile + 1) % 2]);
-    prefetch_rows(keys, values, rows[(tile + 1) % 2], n_next, count * D);
+    prefetch_rows(keys, rows[(tile + 1) % 2], n_next, count * D);
     for (int64_t kv = 0; kv < count; ++kv) {
       for (int t = 0; t < kTile; ++t) key_rows[t] = keys + current[t] + kv * D;
       for_head_blocks(G, [&](int64_t h, auto nh) {
@@ -290,6 +286,7 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
       });
     }
     online_softmax(scores, n, heads, D, s, acc);
+    prefetch_rows(values, rows[(tile + 1) % 2], n_next, count * D);
     for (int64_t kv = 0; kv < count; ++kv) {
       for (int t = 0; t < kTile; ++t) value_rows[t] = values + current[t] + kv * D;
       for_head_blocks(G, [&](int64_t h, auto nh) {
