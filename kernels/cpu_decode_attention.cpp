@@ -165,22 +165,23 @@ class TileCursor {
   const Shape& shape_;
 };
 
-// The next tile's rows of one half of the cache (K or V) on their way to L2 while this tile is
-// computed: a request's blocks lie anywhere in the cache, where the hardware prefetcher does not
-// follow. K's are asked for before the scores and V's before the values, not both at once: on a
-// Zen 4 (30 layers at 32 x 215 tokens, one thread) 192 lines in one burst took 37-41 ms, two
-// bursts of 96 27-28; into L1 (prefetcht0) 57, two or three tiles ahead 31-34.
+// The next tile's rows on their way to L2 while this tile is computed, one line as each line of
+// the same place in this tile is read: a request's blocks lie anywhere in the cache, where the
+// hardware prefetcher does not follow, and a prefetch waits while the core's misses in flight
+// are at their limit, so a burst of them stalls the arithmetic behind it. On a Zen 4 (30 layers
+// at 32 x 215 tokens, one thread): the next tile's 192 lines in one burst 35-41 ms, K's and V's
+// in two bursts 27-28, a line at a time 18.6; into L1 (prefetcht0) or further ahead, slower.
 template <typename scalar_t>
-void prefetch_rows(const scalar_t* half, const int64_t* rows, int n, int64_t D) {
-  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+inline void prefetch_line(const scalar_t* row, int64_t d) {
   constexpr int kRead = 0, kL2 = 1;  // __builtin_prefetch's rw and locality arguments
-  for (int t = 0; t < n; ++t)
-    for (int64_t d = 0; d < D; d += kLine) __builtin_prefetch(half + rows[t] + d, kRead, kL2);
+  if (d % (64 / sizeof(scalar_t)) == 0) __builtin_prefetch(row + d, kRead, kL2);
 }
 
-// The scores of NH heads against the kTile rows: scores[h * kTile + t] = q_h . k_t.
+// The scores of NH heads against the kTile rows: scores[h * kTile + t] = q_h . k_t; the same
+// lines of the ahead rows (the next tile's, or null) prefetched on the way.
 template <int NH, typename scalar_t>
-void tile_scores(const float* q, const scalar_t* const* rows, int64_t D, float* scores) {
+void tile_scores(const float* q, const scalar_t* const* rows, const scalar_t* const* ahead,
+                 int64_t D, float* scores) {
   for (int half = 0; half < kTile; half += 4) {
     Vec acc[NH][4];
     for (auto& head : acc)
@@ -190,6 +191,7 @@ void tile_scores(const float* q, const scalar_t* const* rows, int64_t D, float* 
       for (int h = 0; h < NH; ++h) qc[h] = load(q + h * D + c);
       for (int t = 0; t < 4; ++t) {
         const Vec k = load(rows[half + t] + c);
+        if (ahead) prefetch_line(ahead[half + t], c);
         for (int h = 0; h < NH; ++h) acc[h][t] = fmadd(qc[h], k, acc[h][t]);
       }
     }
@@ -197,10 +199,11 @@ void tile_scores(const float* q, const scalar_t* const* rows, int64_t D, float* 
   }
 }
 
-// acc_h[c0, c0 + 8 W) += sum over the tile's first n rows of p_h[t] v_t[c0, c0 + 8 W)
+// acc_h[c0, c0 + 8 W) += sum over the tile's first n rows of p_h[t] v_t[c0, c0 + 8 W), the
+// ahead rows' same lines prefetched
 template <int NH, int W, typename scalar_t>
-void add_values(const float* p, const scalar_t* const* rows, int n, int64_t c0, int64_t D,
-                float* acc) {
+void add_values(const float* p, const scalar_t* const* rows, const scalar_t* const* ahead, int n,
+                int64_t c0, int64_t D, float* acc) {
   Vec a[NH][W];
   for (int h = 0; h < NH; ++h)
     for (int w = 0; w < W; ++w) a[h][w] = load(acc + h * D + c0 + 8 * w);
@@ -209,6 +212,7 @@ void add_values(const float* p, const scalar_t* const* rows, int n, int64_t c0, 
     for (int h = 0; h < NH; ++h) weight[h] = splat(p[h * kTile + t]);
     for (int w = 0; w < W; ++w) {
       const Vec v = load(rows[t] + c0 + 8 * w);
+      if (ahead) prefetch_line(ahead[t], c0 + 8 * w);
       for (int h = 0; h < NH; ++h) a[h][w] = fmadd(weight[h], v, a[h][w]);
     }
   }
@@ -217,10 +221,12 @@ void add_values(const float* p, const scalar_t* const* rows, int n, int64_t c0, 
 }
 
 template <int NH, typename scalar_t>
-void add_tile_values(const float* p, const scalar_t* const* rows, int n, int64_t D, float* acc) {
+void add_tile_values(const float* p, const scalar_t* const* rows, const scalar_t* const* ahead,
+                     int n, int64_t D, float* acc) {
   int64_t c0 = 0;
-  for (; c0 + 8 * kChunk <= D; c0 += 8 * kChunk) add_values<NH, kChunk>(p, rows, n, c0, D, acc);
-  for (; c0 < D; c0 += 8) add_values<NH, 1>(p, rows, n, c0, D, acc);
+  for (; c0 + 8 * kChunk <= D; c0 += 8 * kChunk)
+    add_values<NH, kChunk>(p, rows, ahead, n, c0, D, acc);
+  for (; c0 < D; c0 += 8) add_values<NH, 1>(p, rows, ahead, n, c0, D, acc);
 }
 
 // Turns a tile's scores (n valid) into weights against the running max, rescaling the heads'
@@ -251,6 +257,11 @@ void for_head_blocks(int64_t heads, Block block) {
   if (heads - h == 1) block(h, std::integral_constant<int, 1>{});
 }
 
+template <typename kv_t>
+void point_rows(const kv_t* half, const int64_t* rows, const kv_t** out) {
+  for (int t = 0; t < kTile; ++t) out[t] = half + rows[t];
+}
+
 // KV heads [first, first + count) of one request, with the query heads of their groups: each
 // tile's rows are read once for all of them, count * head_dim values side by side.
 template <typename q_t, typename kv_t>
@@ -272,26 +283,32 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
   int n_next = cursor.next(rows[0]);
   const kv_t* key_rows[kTile];
   const kv_t* value_rows[kTile];
+  const kv_t* key_ahead[kTile];
+  const kv_t* value_ahead[kTile];
   for (int64_t tile = 0; n_next > 0; ++tile) {
     const int64_t* current = rows[tile % 2];
     const int n = n_next;
     n_next = cursor.next(rows[(tile + 1) % 2]);
-    prefetch_rows(keys, rows[(tile + 1) % 2], n_next, count * D);
+    const int64_t* next = rows[(tile + 1) % 2];
+    const bool prefetch = n_next > 0;  // by a KV head's first block of query heads
     for (int64_t kv = 0; kv < count; ++kv) {
-      for (int t = 0; t < kTile; ++t) key_rows[t] = keys + current[t] + kv * D;
+      point_rows(keys + kv * D, current, key_rows);
+      point_rows(keys + kv * D, next, key_ahead);
       for_head_blocks(G, [&](int64_t h, auto nh) {
         const int64_t head = kv * G + h;
-        tile_scores<decltype(nh)::value>(s.query.data() + head * D, key_rows, D,
+        tile_scores<decltype(nh)::value>(s.query.data() + head * D, key_rows,
+                                         prefetch && h == 0 ? key_ahead : nullptr, D,
                                          scores + head * kTile);
       });
     }
     online_softmax(scores, n, heads, D, s, acc);
-    prefetch_rows(values, rows[(tile + 1) % 2], n_next, count * D);
     for (int64_t kv = 0; kv < count; ++kv) {
-      for (int t = 0; t < kTile; ++t) value_rows[t] = values + current[t] + kv * D;
+      point_rows(values + kv * D, current, value_rows);
+      point_rows(values + kv * D, next, value_ahead);
       for_head_blocks(G, [&](int64_t h, auto nh) {
         const int64_t head = kv * G + h;
-        add_tile_values<decltype(nh)::value>(scores + head * kTile, value_rows, n, D,
+        add_tile_values<decltype(nh)::value>(scores + head * kTile, value_rows,
+                                             prefetch && h == 0 ? value_ahead : nullptr, n, D,
                                              acc + head * D);
       });
     }
