@@ -320,9 +320,25 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
   }
 }
 
+// parts[i], parts[i + 1]: the first and last + 1 of the items of part i, parts of about equal
+// tokens (a context's length, plus a tile for an item's own cost), not of equal item counts:
+// a step's contexts differ in length.
+std::vector<int64_t> split_by_tokens(const int32_t* lens, int64_t items, int64_t spans,
+                                     int64_t num_parts) {
+  std::vector<int64_t> ends(items);
+  int64_t total = 0;
+  for (int64_t item = 0; item < items; ++item) ends[item] = total += lens[item / spans] + kTile;
+  std::vector<int64_t> parts(num_parts + 1, items);
+  parts[0] = 0;
+  for (int64_t part = 1; part < num_parts; ++part)
+    parts[part] = std::lower_bound(ends.begin(), ends.end(), total * part / num_parts) -
+                  ends.begin() + 1;
+  return parts;
+}
+
 // Work items are (request, span of KV heads): a request's every KV head at once where there
 // are requests enough to keep the threads busy (its rows read whole, in address order), one
-// KV head an item where there are few.
+// KV head an item where there are few. A thread takes a part of about equal tokens.
 template <typename q_t, typename kv_t>
 void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
@@ -334,11 +350,13 @@ void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   q_t* o = out.mutable_data_ptr<q_t>();
   const int64_t head_span = s.group() * s.head_dim;
-  const int64_t span = s.num_reqs >= 4 * at::get_num_threads() ? s.num_kv_heads : 1;
+  const int64_t threads = at::get_num_threads();
+  const int64_t span = s.num_reqs >= 4 * threads ? s.num_kv_heads : 1;
   const int64_t spans = s.num_kv_heads / span;
-  at::parallel_for(0, s.num_reqs * spans, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> parts = split_by_tokens(lens, s.num_reqs * spans, spans, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = parts[begin]; item < parts[end]; ++item) {
       const int64_t r = item / spans, h = item % spans * span;
       attend_heads(q + r * query.stride(0) + h * head_span, keys + h * s.head_dim,
                    values + h * s.head_dim, tables + r * s.max_blocks, lens[r], scale,
