@@ -262,12 +262,19 @@ void point_rows(const kv_t* half, const int64_t* rows, const kv_t** out) {
   for (int t = 0; t < kTile; ++t) out[t] = half + rows[t];
 }
 
+// The work item a thread takes next, whose first tile is prefetched during this one's last.
+struct NextItem {
+  const int32_t* block_table = nullptr;  // null: none
+  int64_t seq_len = 0;
+  int64_t shift = 0;  // its KV heads' place in a row less this item's
+};
+
 // KV heads [first, first + count) of one request, with the query heads of their groups: each
 // tile's rows are read once for all of them, count * head_dim values side by side.
 template <typename q_t, typename kv_t>
 void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
                   const int32_t* block_table, int64_t seq_len, float scale, q_t* out,
-                  int64_t count, const Shape& shape, Scratch& s) {
+                  int64_t count, const Shape& shape, Scratch& s, const NextItem& following) {
   const int64_t G = shape.group(), D = shape.head_dim, heads = count * G;
   s.query.resize(heads * D);
   s.scores.resize(heads * kTile);
@@ -279,7 +286,7 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
   for (int64_t i = 0; i < heads * D; ++i) s.query[i] = scale * static_cast<float>(query[i]);
 
   TileCursor cursor(block_table, seq_len, shape);
-  int64_t rows[2][kTile];
+  int64_t rows[2][kTile], first_rows[kTile];
   int n_next = cursor.next(rows[0]);
   const kv_t* key_rows[kTile];
   const kv_t* value_rows[kTile];
@@ -290,10 +297,16 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
     const int n = n_next;
     n_next = cursor.next(rows[(tile + 1) % 2]);
     const int64_t* next = rows[(tile + 1) % 2];
-    const bool prefetch = n_next > 0;  // by a KV head's first block of query heads
+    int64_t shift = 0;
+    if (n_next == 0 && following.block_table) {
+      TileCursor(following.block_table, following.seq_len, shape).next(first_rows);
+      next = first_rows, shift = following.shift;
+    }
+    // by a KV head's first block of query heads
+    const bool prefetch = n_next > 0 || following.block_table;
     for (int64_t kv = 0; kv < count; ++kv) {
       point_rows(keys + kv * D, current, key_rows);
-      point_rows(keys + kv * D, next, key_ahead);
+      point_rows(keys + kv * D + shift, next, key_ahead);
       for_head_blocks(G, [&](int64_t h, auto nh) {
         const int64_t head = kv * G + h;
         tile_scores<decltype(nh)::value>(s.query.data() + head * D, key_rows,
@@ -304,7 +317,7 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
     online_softmax(scores, n, heads, D, s, acc);
     for (int64_t kv = 0; kv < count; ++kv) {
       point_rows(values + kv * D, current, value_rows);
-      point_rows(values + kv * D, next, value_ahead);
+      point_rows(values + kv * D + shift, next, value_ahead);
       for_head_blocks(G, [&](int64_t h, auto nh) {
         const int64_t head = kv * G + h;
         add_tile_values<decltype(nh)::value>(scores + head * kTile, value_rows,
@@ -358,9 +371,14 @@ void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
     Scratch scratch;
     for (int64_t item = parts[begin]; item < parts[end]; ++item) {
       const int64_t r = item / spans, h = item % spans * span;
+      const int64_t r2 = (item + 1) / spans, h2 = (item + 1) % spans * span;
+      const NextItem following = item + 1 < parts[end]
+                                     ? NextItem{tables + r2 * s.max_blocks, lens[r2],
+                                                (h2 - h) * s.head_dim}
+                                     : NextItem{};
       attend_heads(q + r * query.stride(0) + h * head_span, keys + h * s.head_dim,
                    values + h * s.head_dim, tables + r * s.max_blocks, lens[r], scale,
-                   o + r * out.stride(0) + h * head_span, span, s, scratch);
+                   o + r * out.stride(0) + h * head_span, span, s, scratch, following);
     }
   });
 }
