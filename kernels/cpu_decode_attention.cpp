@@ -165,26 +165,23 @@ class TileCursor {
   const Shape& shape_;
 };
 
-// The next tile's K and V rows on their way to the cache while this tile is computed: a
-// request's blocks lie anywhere in the cache, where the hardware prefetcher does not follow.
-// Into L2 (prefetcht2), not L1: a tile's 192 lines are more than L1's outstanding misses, and
-// a decode step's caches come from DRAM; on a Zen 4, 30 layers' attention at 32 x 215 tokens
-// took 36.7 ms of one thread against 44.3 into L1 (bench/NOTES.md, stop 35).
+// The next tile's rows on their way to L2 while this tile is computed, one line as each line of
+// the same place in this tile is read: a request's blocks lie anywhere in the cache, where the
+// hardware prefetcher does not follow, and a prefetch waits while the core's misses in flight
+// are at their limit, so a burst of them stalls the arithmetic behind it. On a Zen 4 (30 layers
+// at 32 x 215 tokens, one thread): the next tile's 192 lines in one burst 35-41 ms, K's and V's
+// in two bursts 27-28, a line at a time 18.6; into L1 (prefetcht0) or further ahead, slower.
 template <typename scalar_t>
-void prefetch_rows(const scalar_t* keys, const scalar_t* values, const int64_t* rows, int n,
-                   int64_t D) {
-  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+inline void prefetch_line(const scalar_t* row, int64_t d) {
   constexpr int kRead = 0, kL2 = 1;  // __builtin_prefetch's rw and locality arguments
-  for (int t = 0; t < n; ++t)
-    for (int64_t d = 0; d < D; d += kLine) {
-      __builtin_prefetch(keys + rows[t] + d, kRead, kL2);
-      __builtin_prefetch(values + rows[t] + d, kRead, kL2);
-    }
+  if (d % (64 / sizeof(scalar_t)) == 0) __builtin_prefetch(row + d, kRead, kL2);
 }
 
-// The scores of NH heads against the kTile rows: scores[h * kTile + t] = q_h . k_t.
+// The scores of NH heads against the kTile rows: scores[h * kTile + t] = q_h . k_t; the same
+// lines of the ahead rows (the next tile's, or null) prefetched on the way.
 template <int NH, typename scalar_t>
-void tile_scores(const float* q, const scalar_t* const* rows, int64_t D, float* scores) {
+void tile_scores(const float* q, const scalar_t* const* rows, const scalar_t* const* ahead,
+                 int64_t D, float* scores) {
   for (int half = 0; half < kTile; half += 4) {
     Vec acc[NH][4];
     for (auto& head : acc)
@@ -194,6 +191,7 @@ void tile_scores(const float* q, const scalar_t* const* rows, int64_t D, float* 
       for (int h = 0; h < NH; ++h) qc[h] = load(q + h * D + c);
       for (int t = 0; t < 4; ++t) {
         const Vec k = load(rows[half + t] + c);
+        if (ahead) prefetch_line(ahead[half + t], c);
         for (int h = 0; h < NH; ++h) acc[h][t] = fmadd(qc[h], k, acc[h][t]);
       }
     }
@@ -201,10 +199,11 @@ void tile_scores(const float* q, const scalar_t* const* rows, int64_t D, float* 
   }
 }
 
-// acc_h[c0, c0 + 8 W) += sum over the tile's first n rows of p_h[t] v_t[c0, c0 + 8 W)
+// acc_h[c0, c0 + 8 W) += sum over the tile's first n rows of p_h[t] v_t[c0, c0 + 8 W), the
+// ahead rows' same lines prefetched
 template <int NH, int W, typename scalar_t>
-void add_values(const float* p, const scalar_t* const* rows, int n, int64_t c0, int64_t D,
-                float* acc) {
+void add_values(const float* p, const scalar_t* const* rows, const scalar_t* const* ahead, int n,
+                int64_t c0, int64_t D, float* acc) {
   Vec a[NH][W];
   for (int h = 0; h < NH; ++h)
     for (int w = 0; w < W; ++w) a[h][w] = load(acc + h * D + c0 + 8 * w);
@@ -213,6 +212,7 @@ void add_values(const float* p, const scalar_t* const* rows, int n, int64_t c0, 
     for (int h = 0; h < NH; ++h) weight[h] = splat(p[h * kTile + t]);
     for (int w = 0; w < W; ++w) {
       const Vec v = load(rows[t] + c0 + 8 * w);
+      if (ahead) prefetch_line(ahead[t], c0 + 8 * w);
       for (int h = 0; h < NH; ++h) a[h][w] = fmadd(weight[h], v, a[h][w]);
     }
   }
@@ -221,10 +221,12 @@ void add_values(const float* p, const scalar_t* const* rows, int n, int64_t c0, 
 }
 
 template <int NH, typename scalar_t>
-void add_tile_values(const float* p, const scalar_t* const* rows, int n, int64_t D, float* acc) {
+void add_tile_values(const float* p, const scalar_t* const* rows, const scalar_t* const* ahead,
+                     int n, int64_t D, float* acc) {
   int64_t c0 = 0;
-  for (; c0 + 8 * kChunk <= D; c0 += 8 * kChunk) add_values<NH, kChunk>(p, rows, n, c0, D, acc);
-  for (; c0 < D; c0 += 8) add_values<NH, 1>(p, rows, n, c0, D, acc);
+  for (; c0 + 8 * kChunk <= D; c0 += 8 * kChunk)
+    add_values<NH, kChunk>(p, rows, ahead, n, c0, D, acc);
+  for (; c0 < D; c0 += 8) add_values<NH, 1>(p, rows, ahead, n, c0, D, acc);
 }
 
 // Turns a tile's scores (n valid) into weights against the running max, rescaling the heads'
@@ -255,12 +257,24 @@ void for_head_blocks(int64_t heads, Block block) {
   if (heads - h == 1) block(h, std::integral_constant<int, 1>{});
 }
 
+template <typename kv_t>
+void point_rows(const kv_t* half, const int64_t* rows, const kv_t** out) {
+  for (int t = 0; t < kTile; ++t) out[t] = half + rows[t];
+}
+
+// The work item a thread takes next, whose first tile is prefetched during this one's last.
+struct NextItem {
+  const int32_t* block_table = nullptr;  // null: none
+  int64_t seq_len = 0;
+  int64_t shift = 0;  // its KV heads' place in a row less this item's
+};
+
 // KV heads [first, first + count) of one request, with the query heads of their groups: each
 // tile's rows are read once for all of them, count * head_dim values side by side.
 template <typename q_t, typename kv_t>
 void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
                   const int32_t* block_table, int64_t seq_len, float scale, q_t* out,
-                  int64_t count, const Shape& shape, Scratch& s) {
+                  int64_t count, const Shape& shape, Scratch& s, const NextItem& following) {
   const int64_t G = shape.group(), D = shape.head_dim, heads = count * G;
   s.query.resize(heads * D);
   s.scores.resize(heads * kTile);
@@ -272,29 +286,42 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
   for (int64_t i = 0; i < heads * D; ++i) s.query[i] = scale * static_cast<float>(query[i]);
 
   TileCursor cursor(block_table, seq_len, shape);
-  int64_t rows[2][kTile];
+  int64_t rows[2][kTile], first_rows[kTile];
   int n_next = cursor.next(rows[0]);
   const kv_t* key_rows[kTile];
   const kv_t* value_rows[kTile];
+  const kv_t* key_ahead[kTile];
+  const kv_t* value_ahead[kTile];
   for (int64_t tile = 0; n_next > 0; ++tile) {
     const int64_t* current = rows[tile % 2];
     const int n = n_next;
     n_next = cursor.next(rows[(tile + 1) % 2]);
-    prefetch_rows(keys, values, rows[(tile + 1) % 2], n_next, count * D);
+    const int64_t* next = rows[(tile + 1) % 2];
+    int64_t shift = 0;
+    if (n_next == 0 && following.block_table) {
+      TileCursor(following.block_table, following.seq_len, shape).next(first_rows);
+      next = first_rows, shift = following.shift;
+    }
+    // by a KV head's first block of query heads
+    const bool prefetch = n_next > 0 || following.block_table;
     for (int64_t kv = 0; kv < count; ++kv) {
-      for (int t = 0; t < kTile; ++t) key_rows[t] = keys + current[t] + kv * D;
+      point_rows(keys + kv * D, current, key_rows);
+      point_rows(keys + kv * D + shift, next, key_ahead);
       for_head_blocks(G, [&](int64_t h, auto nh) {
         const int64_t head = kv * G + h;
-        tile_scores<decltype(nh)::value>(s.query.data() + head * D, key_rows, D,
+        tile_scores<decltype(nh)::value>(s.query.data() + head * D, key_rows,
+                                         prefetch && h == 0 ? key_ahead : nullptr, D,
                                          scores + head * kTile);
       });
     }
     online_softmax(scores, n, heads, D, s, acc);
     for (int64_t kv = 0; kv < count; ++kv) {
-      for (int t = 0; t < kTile; ++t) value_rows[t] = values + current[t] + kv * D;
+      point_rows(values + kv * D, current, value_rows);
+      point_rows(values + kv * D + shift, next, value_ahead);
       for_head_blocks(G, [&](int64_t h, auto nh) {
         const int64_t head = kv * G + h;
-        add_tile_values<decltype(nh)::value>(scores + head * kTile, value_rows, n, D,
+        add_tile_values<decltype(nh)::value>(scores + head * kTile, value_rows,
+                                             prefetch && h == 0 ? value_ahead : nullptr, n, D,
                                              acc + head * D);
       });
     }
@@ -306,9 +333,25 @@ void attend_heads(const q_t* query, const kv_t* keys, const kv_t* values,
   }
 }
 
+// parts[i], parts[i + 1]: the first and last + 1 of the items of part i, parts of about equal
+// tokens (a context's length, plus a tile for an item's own cost), not of equal item counts:
+// a step's contexts differ in length.
+std::vector<int64_t> split_by_tokens(const int32_t* lens, int64_t items, int64_t spans,
+                                     int64_t num_parts) {
+  std::vector<int64_t> ends(items);
+  int64_t total = 0;
+  for (int64_t item = 0; item < items; ++item) ends[item] = total += lens[item / spans] + kTile;
+  std::vector<int64_t> parts(num_parts + 1, items);
+  parts[0] = 0;
+  for (int64_t part = 1; part < num_parts; ++part)
+    parts[part] = std::lower_bound(ends.begin(), ends.end(), total * part / num_parts) -
+                  ends.begin() + 1;
+  return parts;
+}
+
 // Work items are (request, span of KV heads): a request's every KV head at once where there
 // are requests enough to keep the threads busy (its rows read whole, in address order), one
-// KV head an item where there are few.
+// KV head an item where there are few. A thread takes a part of about equal tokens.
 template <typename q_t, typename kv_t>
 void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
@@ -320,15 +363,22 @@ void attend_all(const at::Tensor& query, const at::Tensor& kv_cache,
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   q_t* o = out.mutable_data_ptr<q_t>();
   const int64_t head_span = s.group() * s.head_dim;
-  const int64_t span = s.num_reqs >= 4 * at::get_num_threads() ? s.num_kv_heads : 1;
+  const int64_t threads = at::get_num_threads();
+  const int64_t span = s.num_reqs >= 4 * threads ? s.num_kv_heads : 1;
   const int64_t spans = s.num_kv_heads / span;
-  at::parallel_for(0, s.num_reqs * spans, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> parts = split_by_tokens(lens, s.num_reqs * spans, spans, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = parts[begin]; item < parts[end]; ++item) {
       const int64_t r = item / spans, h = item % spans * span;
+      const int64_t r2 = (item + 1) / spans, h2 = (item + 1) % spans * span;
+      const NextItem following = item + 1 < parts[end]
+                                     ? NextItem{tables + r2 * s.max_blocks, lens[r2],
+                                                (h2 - h) * s.head_dim}
+                                     : NextItem{};
       attend_heads(q + r * query.stride(0) + h * head_span, keys + h * s.head_dim,
                    values + h * s.head_dim, tables + r * s.max_blocks, lens[r], scale,
-                   o + r * out.stride(0) + h * head_span, span, s, scratch);
+                   o + r * out.stride(0) + h * head_span, span, s, scratch, following);
     }
   });
 }

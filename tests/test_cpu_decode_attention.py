@@ -104,6 +104,24 @@ def test_kernel_matches_sdpa_for_few_requests(seq_lens: list[int]) -> None:
     assert kernel_error(kv_cache, tables, seq_lens, 3, 0.3, gen) < 1e-5
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_matches_sdpa_with_contexts_split_over_threads(
+    threads: int, cache_dtype: torch.dtype
+) -> None:
+    """Threads take parts of about equal tokens: one long context among short ones."""
+    gen = torch.Generator().manual_seed(threads)
+    seq_lens = [400, 1, 15, 16, 17, 2, 3, 250, 9, 33, 1, 5]
+    kv_cache, tables = paged_cache(seq_lens, 16, 64, cache_dtype, gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        error = kernel_error(kv_cache, tables, seq_lens, 3, 0.3, gen)
+    finally:
+        torch.set_num_threads(before)
+    assert error < 1e-5
+
+
 def test_kernel_matches_sdpa_with_peaked_scores() -> None:
     """Scores spread over hundreds: most weights underflow, and the running max moves often."""
     gen = torch.Generator().manual_seed(2)
