@@ -24,8 +24,9 @@ bf16 matmul rate, and at every size against its roofline: the larger of its FLOP
 rate and its least bytes (the experts read, x, the output) at the copy bandwidth. Each size's
 time is split into its phases, each replayed alone: the routing (torch ops and the kernel), the
 alignment, the gate/up GEMM, the down GEMM, the top-k sum. At one pair a tile (a token or
-two) also the gate/up as grouped GEMVs (kernels/moe_gemv.py) over a few launch settings, and
-the whole fused MoE with them (default settings) in place of the gate/up GEMM (`up_gemv`). Then
+two) also the gate/up and the summed down as grouped GEMVs (kernels/moe_gemv.py), each over a
+few launch settings, and the whole fused MoE with either or both of them (default settings)
+in place of the GEMMs (`gemv`). Then
 the paged MLA decode kernel (DeepSeek shapes) against the copy bandwidth over the latent cache
 it reads.
 """
@@ -68,19 +69,25 @@ from kernels.fused_moe import (  # noqa: E402
     align_for,
     fused_experts,
     grouped_gemm,
-    summed_down,
     tile_config,
     tiles_to_json,
 )
 from kernels.mla_decode import paged_mla_decode  # noqa: E402
-from kernels.moe_gemv import MoeGemvConfig, default_moe_gemv_config, up_gemv  # noqa: E402
+from kernels.moe_gemv import (  # noqa: E402
+    MoeGemvConfig,
+    default_moe_gemv_config,
+    summed_down_gemv,
+    up_gemv,
+)
 from kernels.moe_routing import route_top_k  # noqa: E402
 
 MOE_SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"]
 DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 PREFILL_SIZES = [512, 2048, 8192]
-# the gate/up GEMV's settings timed at one pair a tile: (block_n, block_k, num_warps)
+# the GEMVs' settings timed at one pair a tile: (block_n, block_k, num_warps), block_k at
+# most the next power of two of K
 UP_GEMV_SETTINGS = [(2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 1024, 8), (8, 2048, 8)]
+DOWN_GEMV_SETTINGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 8), (2, 2048, 8), (8, 2048, 8)]
 DTYPE = torch.bfloat16
 BYTES = 2
 
@@ -368,7 +375,7 @@ class MoeProblem:
     ids: torch.Tensor
     activated: torch.Tensor
     out: torch.Tensor  # [pairs, H]: each pair's row
-    summed: torch.Tensor  # [T, H]: summed_down's
+    summed: torch.Tensor  # [T, H]: down_gemv's
 
     @classmethod
     def make(cls, x, w13, w2, weights, ids) -> MoeProblem:
@@ -396,10 +403,10 @@ class MoeProblem:
     def up_gemv(self, config: MoeGemvConfig) -> None:
         up_gemv(self.x, self.w13, self.ids.flatten(), self.activated, config)
 
-    def summed_down(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
-        """down with the top-k sum in it (one pair a tile only; alignment unused)."""
+    def down_gemv(self, config: MoeGemvConfig | None = None) -> None:
+        """down with the top-k sum in it, as grouped GEMVs (one pair a tile only)."""
         ids, weights = self.ids.flatten(), self.weights.flatten()
-        summed_down(self.activated, self.w2, self.summed, ids, weights, config)
+        summed_down_gemv(self.activated, self.w2, self.summed, ids, weights, config)
 
     def top_k_sum(self) -> torch.Tensor:
         return self.out.view(*self.ids.shape, -1).sum(1)
@@ -424,12 +431,12 @@ def moe_traffic(g: dict, hidden: int, tokens: int, experts_read: int) -> dict:
 
 def phase_seconds(problem: MoeProblem, routing: RoutingConfig, logits, tiles: MoeTiles) -> dict:
     """Each phase of one call replayed alone; with the kernel's routing, the sum of the last
-    four is what a layer's experts cost (one pair a tile: no alignment launches; with
-    sum_in_down, no top-k sum)."""
+    four is what a layer's experts cost (one pair a tile: no alignment launches, the GEMVs
+    where the tiles take them; with down's, no top-k sum)."""
     alignment = problem.align(tiles.up.block_m, tiles.tail_m)
     sigmoid = routing.scoring == "sigmoid"
-    one_pair, summed = alignment.one_pair_tiles, alignment.one_pair_tiles and tiles.sum_in_down
-    down = problem.summed_down if summed else problem.down
+    one_pair = alignment.one_pair_tiles
+    up_gemv, summed = one_pair and tiles.up_gemv, one_pair and tiles.down_gemv
     return {
         "routing_torch_s": graph_seconds(lambda: torch_select_experts(logits, routing)),
         "routing_kernel_s": graph_seconds(
@@ -438,8 +445,12 @@ def phase_seconds(problem: MoeProblem, routing: RoutingConfig, logits, tiles: Mo
         "align_s": 0.0
         if one_pair
         else graph_seconds(lambda: problem.align(tiles.up.block_m, tiles.tail_m)),
-        "up_s": graph_seconds(lambda: problem.up(alignment, tiles.up)),
-        "down_s": graph_seconds(lambda: down(alignment, tiles.down)),
+        "up_s": graph_seconds(
+            problem.up_gemv if up_gemv else lambda: problem.up(alignment, tiles.up)
+        ),
+        "down_s": graph_seconds(
+            problem.down_gemv if summed else lambda: problem.down(alignment, tiles.down)
+        ),
         "top_k_sum_s": 0.0 if summed else graph_seconds(problem.top_k_sum),
     }
 
@@ -470,36 +481,50 @@ def moe_kernel(config, rates: dict) -> list[dict]:
         logits = torch.randn(tokens, g["experts"], device=x.device, dtype=DTYPE)
         row["phases"] = phase_seconds(problem, routing, logits, tiles)
         if problem.align(tiles.up.block_m).one_pair_tiles:
-            row["up_gemv"] = up_gemv_timings(problem, tiles, weight_bytes, copy)
+            row["gemv"] = gemv_timings(problem, tiles, weight_bytes, copy)
         row["tiles"] = tiles_to_json(tiles)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tiles"}))
     return rows
 
 
-def up_gemv_timings(problem: MoeProblem, tiles: MoeTiles, weight_bytes: int, copy: float) -> dict:
-    """The gate/up GEMV alone under each of UP_GEMV_SETTINGS (checked against the GEMM's
-    output), and the whole fused MoE with it (default settings) in place of the gate/up GEMM."""
-    problem.up(problem.align(tiles.up.block_m), tiles.up)
-    expected = problem.activated.clone()
-    settings = {}
-    for block_n, block_k, num_warps in UP_GEMV_SETTINGS:
-        config = MoeGemvConfig(block_n, min(block_k, next_pow2(problem.x.shape[1])), num_warps)
-        problem.up_gemv(config)
-        error = (problem.activated.float() - expected.float()).norm() / expected.float().norm()
-        assert error < 2e-2, (config, error.item())
-        settings[str(dataclasses.astuple(config))] = graph_seconds(
-            lambda c=config: problem.up_gemv(c)
-        )
-    best = min(settings, key=settings.get)
-    whole = time_call(problem.whole, dataclasses.replace(tiles, up_gemv=True), rep=20)
-    return {
-        "default_config": dataclasses.asdict(default_moe_gemv_config(problem.x.shape[1])),
-        "up_s_by_config": settings,
-        "best_config": best,
-        "whole_seconds": whole,
-        "whole_fraction_of_copy_bandwidth": weight_bytes / whole / copy,
+def gemv_timings(problem: MoeProblem, tiles: MoeTiles, weight_bytes: int, copy: float) -> dict:
+    """Each GEMV alone under each of its settings (checked against the GEMMs' output), and
+    the whole fused MoE with either or both (default settings) in place of the GEMMs."""
+    alignment = problem.align(tiles.up.block_m)
+    problem.up(alignment, tiles.up)
+    problem.down(alignment, tiles.down)
+    up_expected, down_expected = problem.activated.clone(), problem.top_k_sum()
+    up_k, down_k = problem.x.shape[1], problem.w2.shape[2]
+    up_s = _gemv_settings(problem.up_gemv, UP_GEMV_SETTINGS, up_k, problem.activated, up_expected)
+    down_s = _gemv_settings(
+        problem.down_gemv, DOWN_GEMV_SETTINGS, down_k, problem.summed, down_expected
+    )
+    variants = {"up_gemv": (True, False), "down_gemv": (False, True), "both": (True, True)}
+    whole = {
+        name: time_call(problem.whole, dataclasses.replace(tiles, up_gemv=u, down_gemv=d), rep=20)
+        for name, (u, d) in variants.items()
     }
+    return {
+        "up_default": dataclasses.asdict(default_moe_gemv_config(up_k)),
+        "up_s_by_config": up_s,
+        "down_default": dataclasses.asdict(default_moe_gemv_config(down_k)),
+        "down_s_by_config": down_s,
+        "whole_seconds": whole,
+        "whole_fraction_of_copy_bandwidth": {n: weight_bytes / s / copy for n, s in whole.items()},
+    }
+
+
+def _gemv_settings(gemv, settings, k: int, out: torch.Tensor, expected: torch.Tensor) -> dict:
+    """gemv(config) timed under each (block_n, block_k, num_warps), its output checked."""
+    times = {}
+    for block_n, block_k, num_warps in settings:
+        config = MoeGemvConfig(block_n, min(block_k, next_pow2(k)), num_warps)
+        gemv(config)
+        error = (out.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 2e-2, (config, error.item())
+        times[str(dataclasses.astuple(config))] = graph_seconds(lambda c=config: gemv(c))
+    return times
 
 
 def mla_kernel(config, rates: dict) -> list[dict]:

@@ -9,8 +9,8 @@ the down GEMM under each of its own, all CUDA-graph replayed. The alignment whos
 down is least wins; its best few tiles of each GEMM are timed again under other GROUP_M orders
 and with the weights read through TMA descriptors. Then the whole fused_experts is timed with
 the winner, with the table it replaces (before), with the default rule and, at one pair a tile
-(a token or two), with the winner's gate/up as grouped GEMVs (MoeTiles.up_gemv), in one
-process, and the table keeps the fastest. The table file is rewritten after every size, so a
+(a token or two), with the winner's gate/up, down or both as grouped GEMVs (MoeTiles.up_gemv,
+down_gemv), in one process, and the table keeps the fastest. The table file is rewritten after every size, so a
 run cut short keeps what it found.
 
 The candidates compile first, in a pool of processes (Triton's disk cache then serves the
@@ -159,9 +159,8 @@ def _time_gemm(gemm, alignment, config: MoeTileConfig) -> tuple[float | None, Mo
 
 def tune_size(problem: MoeProblem, num_experts: int) -> dict:
     """The fastest tiles at this size: per alignment each GEMM's candidates (GROUP_M 8), the
-    alignment of least align + up + down + top-k sum (at one pair a tile, also down with the
-    sum in it), then its best RETIMED of each GEMM under every GROUP_ORDERS (rows sorted by
-    expert). Also what each alignment's best came to."""
+    alignment of least align + up + down + top-k sum, then its best RETIMED of each GEMM under
+    every GROUP_ORDERS (rows sorted by expert). Also what each alignment's best came to."""
     num_tokens, top_k = problem.ids.shape
     sum_s = graph_seconds(problem.top_k_sum)
     options = {}
@@ -172,36 +171,32 @@ def tune_size(problem: MoeProblem, num_experts: int) -> dict:
             0.0 if one_pair else graph_seconds(functools.partial(problem.align, block_m, tail_m))
         )
         up = timed_tiles(problem.up, alignment, [as_config(t) for t in UP_TILES if t[0] == block_m])
-        down_tiles = [as_config(t) for t in DOWN_TILES if t[0] == block_m]
-        downs = {"": (problem.down, sum_s)}
-        if one_pair:
-            downs["+sum"] = (problem.summed_down, 0.0)
-        for suffix, (gemm, after_s) in downs.items():
-            down = timed_tiles(gemm, alignment, down_tiles)
-            if not up or not down:
-                continue
-            name = f"{block_m}+{tail_m}{suffix}"
-            options[name] = {
-                "align_s": align_s,
-                "up": up,
-                "down": down,
-                "total_s": align_s + up[0][0] + down[0][0] + after_s,
-                "alignment": alignment,
-                "tail_m": tail_m,
-                "sum_in_down": bool(suffix),
-            }
-            print(
-                f"  {num_tokens} tokens, {name}: align {align_s * 1e6:.1f} up "
-                f"{up[0][0] * 1e6:.1f} down {down[0][0] * 1e6:.1f} sum {after_s * 1e6:.1f} us; "
-                f"{up[0][1]} / {down[0][1]}",
-                flush=True,
-            )
+        down = timed_tiles(
+            problem.down, alignment, [as_config(t) for t in DOWN_TILES if t[0] == block_m]
+        )
+        if not up or not down:
+            continue
+        name = f"{block_m}+{tail_m}"
+        options[name] = {
+            "align_s": align_s,
+            "up": up,
+            "down": down,
+            "total_s": align_s + up[0][0] + down[0][0] + sum_s,
+            "alignment": alignment,
+            "tail_m": tail_m,
+        }
+        print(
+            f"  {num_tokens} tokens, {name}: align {align_s * 1e6:.1f} up "
+            f"{up[0][0] * 1e6:.1f} down {down[0][0] * 1e6:.1f} sum {sum_s * 1e6:.1f} us; "
+            f"{up[0][1]} / {down[0][1]}",
+            flush=True,
+        )
     best = min(options.values(), key=lambda o: o["total_s"])
     if not best["alignment"].one_pair_tiles:
         best["up"] = _refined(problem.up, best["alignment"], best["up"])
         best["down"] = _refined(problem.down, best["alignment"], best["down"])
     up, down = best["up"][0][1], best["down"][0][1]
-    tiles = MoeTiles(up, down, best["tail_m"], best["sum_in_down"])
+    tiles = MoeTiles(up, down, best["tail_m"])
     return {"tiles": tiles, "options": {name: _summary(o) for name, o in options.items()}}
 
 
@@ -261,12 +256,14 @@ def tune(shape: str, sizes: list[int]) -> dict:
 
 def _size_row(problem, tokens: int, g: dict, tiles: MoeTiles, old: MoeTiles, found: dict) -> dict:
     """The winner against the tiles it replaces and the default rule, and at one pair a tile
-    the winner with its gate/up as grouped GEMVs, whole calls in one run; the table keeps the
-    fastest (the phases timed apart may not add up)."""
+    the winner with its gate/up, its down or both as grouped GEMVs, whole calls in one run;
+    the table keeps the fastest (the phases timed apart may not add up)."""
     default = MoeTiles.same(default_tile_config(tokens, tokens * g["top_k"] / g["experts"]))
     candidates = {"tuned": tiles, "before": old, "default": default}
     if problem.align(tiles.up.block_m).one_pair_tiles:
         candidates["tuned_up_gemv"] = dataclasses.replace(tiles, up_gemv=True)
+        candidates["tuned_down_gemv"] = dataclasses.replace(tiles, down_gemv=True)
+        candidates["tuned_gemvs"] = dataclasses.replace(tiles, up_gemv=True, down_gemv=True)
     whole = {name: (whole_seconds(problem, t), t) for name, t in candidates.items()}
     kept = min(whole, key=lambda name: whole[name][0])
     return {
@@ -326,8 +323,6 @@ def _compile_job(job: tuple[str, tuple[int, ...]]) -> str:
                         problem.up(alignment, variant)
                     if tile in DOWN_TILES:
                         problem.down(alignment, variant)
-                    if tile in DOWN_TILES and alignment.one_pair_tiles:
-                        problem.summed_down(alignment, variant)
         torch.cuda.synchronize()
         return ""
     except Exception as error:  # noqa: BLE001 (a config that cannot compile is reported, skipped)

@@ -6,7 +6,8 @@ full tiles of block_m, the rest padded to block_m or, with tail_m, to tiles of t
 launched apart; so every row tile of the grouped GEMM belongs to one expert and reads its
 weights once; the padding rows hold a sentinel index past the last pair and are masked.
 At a token or two each row tile takes one pair instead, with no alignment launches at all,
-and gate/up may run as grouped GEMVs instead (MoeTiles.up_gemv, kernels/moe_gemv.py).
+and gate/up and down may run as grouped GEMVs instead (MoeTiles.up_gemv and down_gemv,
+kernels/moe_gemv.py), down then summing each token's k choices itself.
 The two GEMMs take tiles of their own (MoeTiles), tuned per shape and batch size on the
 device (bench/moe_tune.py) into fused_moe_configs/.
 Everything stays on the device with fixed-size outputs: no host sync, so CUDA graphs capture it.
@@ -27,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._common import dot_precision, next_pow2, uses_pdl
-from kernels.moe_gemv import up_gemv
+from kernels.moe_gemv import summed_down_gemv, up_gemv
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
 # chunk x experts one-hot tile of the alignment kernels: 16K int32 spread over the warps
@@ -61,10 +62,10 @@ class MoeTiles:
     up: MoeTileConfig
     down: MoeTileConfig
     tail_m: int = 0
-    # at one pair a tile: each down program sums its token's k choices (summed_down)
-    sum_in_down: bool = False
     # at one pair a tile: gate/up as grouped GEMVs (kernels.moe_gemv), not 16-row MMA tiles
     up_gemv: bool = False
+    # at one pair a tile: down as grouped GEMVs, each program summing its token's k choices
+    down_gemv: bool = False
 
     def __post_init__(self) -> None:
         block_m = self.up.block_m
@@ -515,98 +516,6 @@ def _launch_gemm(
     )
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _summed_down_kernel(
-    a_ptr,
-    w_ptr,
-    out_ptr,
-    expert_ids_ptr,
-    topk_weights_ptr,
-    num_tokens,
-    N,
-    K,
-    stride_am,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_om,
-    TOP_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """out[t, n] = sum_j topk_weights[t, j] * a[t * TOP_K + j] . w[expert(t, j), n] for one
-    BLOCK_N slice of one token (row 0 of a BLOCK_M-row tile): the k choices in one loop over
-    (choice, K step), so that it pipelines as one, each step's product weighted as it lands."""
-    if USE_PDL:  # every read below but the weights' is the kernel before's output
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    token = tl.program_id(0) // num_pid_n
-    offs_n = (tl.program_id(0) % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.zeros((BLOCK_M,), dtype=tl.int64)
-    row_mask = (tl.arange(0, BLOCK_M) == 0)[:, None]
-    k_steps = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, TOP_K * k_steps):
-        pair = token * TOP_K + step // k_steps
-        k = (step % k_steps) * BLOCK_K + offs_k
-        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
-        a_rows = a_ptr + (pair + rows)[:, None] * stride_am
-        a = _load_rows(a_rows + k[None, :], row_mask, (k < K)[None, :], EVEN_K)
-        w_cols = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn
-        w = _load_k_tile(w_cols + k[:, None] * stride_wk, (k < K)[:, None], EVEN_K)
-        routed = tl.load(topk_weights_ptr + pair).to(tl.float32)
-        acc += tl.dot(a, w, input_precision=PRECISION) * routed
-    out = out_ptr + token * stride_om + offs_n[None, :] + rows[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask & (offs_n < N)[None, :])
-
-
-def summed_down(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    expert_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    config: MoeTileConfig,
-) -> None:
-    """The down GEMM at one pair a tile with the top-k sum in it: out [T, n] from a [T * k, I]
-    and w [E, n, I]; expert_ids and topk_weights flat [T * k]. No [T, k, n] rows written and
-    read back, no sum launch; T * n / block_n programs instead of T * k * n / block_n."""
-    num_tokens, n = out.shape
-    k = w.shape[2]
-    pdl = uses_pdl(a.device)
-    _summed_down_kernel[(num_tokens * triton.cdiv(n, config.block_n),)](
-        a,
-        w,
-        out,
-        expert_ids,
-        topk_weights,
-        num_tokens,
-        n,
-        k,
-        a.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        out.stride(0),
-        TOP_K=expert_ids.numel() // num_tokens,
-        EVEN_K=k % config.block_k == 0,
-        BLOCK_M=16,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        PRECISION=dot_precision(a.dtype),
-        USE_PDL=pdl,
-        num_warps=config.num_warps,
-        num_stages=_stages_that_fit(config, a.element_size(), False, a.device),
-        launch_pdl=pdl,
-    )
-
-
 def _stages_that_fit(
     config: MoeTileConfig, element_size: int, silu_and_mul: bool, device: torch.device
 ) -> int:
@@ -649,9 +558,9 @@ def fused_experts(
     else:
         grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
     weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
-    if alignment.one_pair_tiles and tiles.sum_in_down:
+    if alignment.one_pair_tiles and tiles.down_gemv:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-        summed_down(activated, w2, out, topk_ids.flatten(), weights, tiles.down)
+        summed_down_gemv(activated, w2, out, topk_ids.flatten(), weights)
         return out
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, tiles.down)
@@ -730,9 +639,7 @@ def tiles_from_json(entry: dict) -> MoeTiles:
     (older tables)."""
     if "up" in entry:
         up, down = MoeTileConfig(**entry["up"]), MoeTileConfig(**entry["down"])
-        extras = {
-            name: entry[name] for name in ("tail_m", "sum_in_down", "up_gemv") if name in entry
-        }
+        extras = {name: entry[name] for name in ("tail_m", "up_gemv", "down_gemv") if name in entry}
         return MoeTiles(up, down, **extras)
     return MoeTiles.same(MoeTileConfig(**entry))
 
@@ -743,6 +650,6 @@ def tiles_to_json(tiles: MoeTiles) -> dict:
         "up": up,
         "down": down,
         "tail_m": tiles.tail_m,
-        "sum_in_down": tiles.sum_in_down,
         "up_gemv": tiles.up_gemv,
+        "down_gemv": tiles.down_gemv,
     }

@@ -1,13 +1,18 @@
-"""The fused MoE's gate/up projection at a token or two as grouped GEMVs: each (token, choice)
+"""The fused MoE's two projections at a token or two as grouped GEMVs: each (token, choice)
 pair's gate and up rows of its expert read once along K by plain FMAs, SiLU-and-mul applied
-as they are stored.
+as they are stored (up_gemv); and down, each program summing its token's k choices of a few
+output rows with their routing weights (summed_down_gemv: no [T, k, H] rows, no sum launch).
 
 At one pair a tile the grouped GEMM (kernels.fused_moe) computes a 16-row MMA tile of which one
 row is real, and its 64-column tiles make 96 programs at one token of Qwen3-30B-A3B (8 pairs x
 768 / 64) for 132 SMs: 65% of the copy bandwidth (moe_kernels_qwen3-30b-a3b_*_h200.json), where
 the down GEMM, at 256 programs, reaches 90%. Here a program owns block_n rows of gate and as
 many of up for one pair (3,072 programs at that token at two rows each), all of K in flight
-at once up to a 2,048-wide tile, as kernels.gemv does for dense weights.
+at once up to a 2,048-wide tile, as kernels.gemv does for dense weights. The down GEMV's
+program owns block_n output rows of one token and reads them from each of its k experts in
+one tile (k x block_n x block_k): 1,024 programs at a Qwen3 token at two rows each, where a
+down GEMM summing its k choices itself made 32 MMA programs and lost to GEMM + sum by 1.5-3x
+(moe_tune_h200.json's "+sum" alignments).
 """
 
 from __future__ import annotations
@@ -87,6 +92,52 @@ def _up_gemv_kernel(
     tl.store(out_ptr + pair * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def _summed_down_gemv_kernel(
+    a_ptr,
+    w_ptr,
+    expert_ids_ptr,
+    topk_weights_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_we,
+    stride_om,
+    TOP_K: tl.constexpr,
+    CHOICES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[t, n] = sum_j topk_weights[t, j] * (a[t * TOP_K + j] . w[e_j, n]) for BLOCK_N values
+    of n; the k choices are the first axis of each tile (CHOICES: TOP_K to a power of two)."""
+    if USE_PDL:  # a, the pairs' experts and weights are the kernels before's output
+        tl.extra.cuda.gdc_wait()
+    token = tl.program_id(0).to(tl.int64)
+    choice = tl.arange(0, CHOICES)
+    chosen = choice < TOP_K
+    pairs = token * TOP_K + choice
+    expert = tl.load(expert_ids_ptr + pairs, mask=chosen, other=0).to(tl.int64)
+    routed = tl.load(topk_weights_ptr + pairs, mask=chosen, other=0.0).to(tl.float32)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + expert[:, None] * stride_we + rows.to(tl.int64)[None, :] * K
+    w_mask = chosen[:, None] & (rows < N)[None, :]
+    a_rows = a_ptr + pairs * K
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([CHOICES, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + k
+        a_mask = chosen[:, None] & (cols < K)[None, :]
+        a = tl.load(a_rows[:, None] + cols[None, :], mask=a_mask, other=0.0).to(tl.float32)
+        mask = w_mask[:, :, None] & (cols < K)[None, None, :]
+        w = tl.load(w_rows[:, :, None] + cols[None, None, :], mask=mask, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out = tl.sum(acc * routed[:, None], axis=0)
+    tl.store(out_ptr + token * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
 def up_gemv(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -112,6 +163,43 @@ def up_gemv(
         x.stride(0),
         w13.stride(0),
         TOP_K=num_pairs // x.shape[0],
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        launch_pdl=pdl,
+    )
+
+
+def summed_down_gemv(
+    a: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+    expert_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: MoeGemvConfig | None = None,
+) -> None:
+    """out [T, H] = sum over each token's k choices of its routing weight times w2[e] @ a[pair]:
+    a [T * k, I] (pair t * k + j), w2 [E, H, I], expert_ids and topk_weights flat [T * k]."""
+    num_tokens, hidden = out.shape
+    inner = a.shape[1]
+    top_k = expert_ids.numel() // num_tokens
+    assert a.is_contiguous() and w2.stride(1) == inner and w2.stride(2) == 1
+    assert out.stride(1) == 1 and w2.shape[1] == hidden
+    config = config or default_moe_gemv_config(inner)
+    pdl = uses_pdl(a.device)
+    _summed_down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
+        a,
+        w2,
+        expert_ids,
+        topk_weights,
+        out,
+        hidden,
+        inner,
+        w2.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        CHOICES=next_pow2(top_k),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_PDL=pdl,

@@ -22,7 +22,7 @@ from kernels.fused_moe import (
     tiles_to_json,
     uses_one_pair_tiles,
 )
-from kernels.moe_gemv import MoeGemvConfig, up_gemv
+from kernels.moe_gemv import MoeGemvConfig, summed_down_gemv, up_gemv
 
 FULL = torch.cuda.is_available()
 DEVICE = "cuda" if FULL else "cpu"
@@ -42,11 +42,10 @@ TMA_TILES = MoeTiles(
     MoeTileConfig(32, 32, 32, 1, 4, 2, weight_tma=True),
     16,
 )
-# at one pair a tile (a token of two choices) the down GEMM sums them itself; down's K (40 on
-# CPU) past its 32-wide tile
-SUMMED_TILES = MoeTiles(SMALL_TILES, MoeTileConfig(16, 32, 32, 1, 4, 2), sum_in_down=True)
 # at one pair a tile gate/up as grouped GEMVs (the other routings ignore it)
 GEMV_TILES = MoeTiles(SMALL_TILES, SMALL_TILES, up_gemv=True)
+# at one pair a tile down as grouped GEMVs summing each token's choices, with gate/up's GEMM
+DOWN_GEMV_TILES = MoeTiles(SMALL_TILES, SMALL_TILES, down_gemv=True)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -85,7 +84,7 @@ ROUTINGS = {
 # every tiling in fp32 under the interpreter; on a GPU, where each one compiles, the tuned
 # tables' bf16 with all but mixed (tailed and tma have tiles of their own per GEMM too) and
 # fp32 with the default's
-TILINGS = ["small", "mixed", "tailed", "tma", "summed", "gemv", "default"]
+TILINGS = ["small", "mixed", "tailed", "tma", "gemv", "down_gemv", "default"]
 TILINGS_BY_DTYPE = [
     (tiles, dtype)
     for tiles in TILINGS
@@ -105,8 +104,8 @@ def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) ->
         "mixed": MIXED_TILES,
         "tailed": TAILED_TILES,
         "tma": TMA_TILES,
-        "summed": SUMMED_TILES,
         "gemv": GEMV_TILES,
+        "down_gemv": DOWN_GEMV_TILES,
         "default": MoeTiles.same(default_tile_config(x.shape[0])),
     }[tiles]
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
@@ -204,10 +203,10 @@ def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
     assert default_tile_config(8).block_m == 16
 
 
-@pytest.mark.parametrize(("sum_in_down", "up_gemv"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(("up_gemv", "down_gemv"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("name", ["three_tokens_some_experts_idle", "odd_batch_random"])
 def test_one_pair_tiles_match_torch_when_pairs_share_experts(
-    name, sum_in_down, up_gemv, monkeypatch
+    name, up_gemv, down_gemv, monkeypatch
 ) -> None:
     import kernels.fused_moe as fused_moe
 
@@ -216,7 +215,7 @@ def test_one_pair_tiles_match_torch_when_pairs_share_experts(
     w13, w2 = weights(torch.float32)
     x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE)
     config = default_tile_config(1)
-    tiles = MoeTiles(config, config, sum_in_down=sum_in_down, up_gemv=up_gemv)
+    tiles = MoeTiles(config, config, up_gemv=up_gemv, down_gemv=down_gemv)
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, tiles)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert relative_error(out, ref) < TOLERANCE[torch.float32]
@@ -243,6 +242,28 @@ def test_up_gemv_equals_silu_and_mul_of_each_pairs_expert(config, dtype) -> None
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [(MoeGemvConfig(32, 32, 4), torch.float32), (MoeGemvConfig(4, 64, 2), torch.float32)]
+    + [(None, torch.bfloat16)] * FULL,
+)
+def test_summed_down_gemv_equals_each_tokens_weighted_sum(config, dtype) -> None:
+    """On CPU (H 48, I 40): a partial last block of rows and K in two tiles, the second
+    partial; or K in one partial tile. Three choices a token (a fourth masked), two of one
+    token on one expert, experts unused; out's rows not packed."""
+    num_experts, hidden, inner = SHAPE
+    _, w2 = weights(dtype)
+    topk_weights, topk_ids = routing([[3, 3, 1], [0, 2, 4]])
+    a = torch.randn(6, inner, device=DEVICE).to(dtype)
+    out = torch.zeros(2, hidden + 8, device=DEVICE, dtype=dtype)
+    summed_down_gemv(a, w2, out[:, :hidden], topk_ids.flatten(), topk_weights.flatten(), config)
+    pairs = topk_ids.flatten().long()
+    per_pair = torch.einsum("pi,phi->ph", a.float(), w2[pairs].float())
+    ref = (per_pair.view(2, 3, hidden) * topk_weights[..., None]).sum(1)
+    assert relative_error(out[:, :hidden], ref) < TOLERANCE[dtype]
+    assert out[:, hidden:].eq(0).all()
+
+
 def test_one_pair_tiles_only_where_pairs_rarely_share_experts() -> None:
     assert uses_one_pair_tiles(1, 8, 128) and uses_one_pair_tiles(4, 8, 128)
     assert not uses_one_pair_tiles(8, 8, 128)
@@ -259,7 +280,7 @@ def test_pipeline_stages_shrink_to_fit_shared_memory(monkeypatch) -> None:
     assert fused_moe._stages_that_fit(tiles, 4, False, cuda) == 3  # fp32 down: 64 KB
 
 
-@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES, SUMMED_TILES, GEMV_TILES])
+@pytest.mark.parametrize("tiles", [MIXED_TILES, TMA_TILES, GEMV_TILES, DOWN_GEMV_TILES])
 def test_tiles_round_trip_through_the_table_format(tiles: MoeTiles) -> None:
     assert tiles_from_json(json.loads(json.dumps(tiles_to_json(tiles)))) == tiles
 
