@@ -13,6 +13,10 @@
 #                                   batch 1 again (the routing kernel; 38% of the floor before),
 #                                   and its batch-1 step profiled (kernels, launches a step).
 #                                   At most 355 s.
+#   bench/h200_moe.sh OUT gemv      the fused MoE's GEMVs at one pair a tile: their GPU tests,
+#                                   the kernel figures per shape (each GEMV's settings, the
+#                                   whole call with either or both), then Qwen3-30B-A3B's
+#                                   offline workload, batch 1 and its step profiled. At most 560 s.
 # Run the later parts while the machine is still warm from `kernels`: the tables it tuned are
 # in kernels/fused_moe_configs/ there and their kernels in Triton's cache (a fresh machine
 # compiles them at engine start). Run from the repository root. Each step runs under its own
@@ -67,8 +71,28 @@ engine)
     --out "$out/profile_decode_qwen3-30b-a3b_h200.json" \
     | grep -E '"(wall_ms_per_step|gpu_kernel_ms_per_step|gpu_kernel_launches_per_step)"'
   ;;
+gemv)
+  timeout 110 python3 -m pytest -rf -q -p no:cacheprovider tests/test_moe_kernels.py \
+    tests/test_bench_moe.py > "$out/gpu_tests_moe_gemv_h200.txt" 2>&1
+  tail -3 "$out/gpu_tests_moe_gemv_h200.txt"
+  echo "tests done at $((SECONDS - start)) s"
+  for shape in "${shapes[@]}"; do
+    timeout 50 python3 bench/moe.py kernels --shape "$shape" --no-mla \
+      --out "$out/moe_kernels_${shape}_h200.json" > "$out/moe_kernels_${shape}_h200.txt" 2>&1
+    grep -oE '"tokens": [0-9]+|"fraction_of_[a-z_]*": [0-9.]{4}' "$out/moe_kernels_${shape}_h200.txt" \
+      | paste -sd' '
+  done
+  echo "kernels done at $((SECONDS - start)) s"
+  timeout 150 python3 bench/moe.py offline --shape qwen3-30b-a3b \
+    --out "$out/moe_offline_qwen3-30b-a3b_h200.json" > "$out/moe_offline_qwen3-30b-a3b_h200.txt" 2>&1
+  tail -2 "$out/moe_offline_qwen3-30b-a3b_h200.txt"
+  left=$((555 - (SECONDS - start)))
+  timeout "$left" python3 bench/profile_decode.py --shape qwen3-30b-a3b --batch 1 --steps 64 \
+    --out "$out/profile_decode_qwen3-30b-a3b_h200.json" \
+    | grep -E '"(wall_ms_per_step|gpu_kernel_ms_per_step|gpu_kernel_launches_per_step)"'
+  ;;
 *)
-  echo "unknown part $what (kernels, offline, engine)" >&2
+  echo "unknown part $what (kernels, offline, engine, gemv)" >&2
   ;;
 esac
 echo "$what: $((SECONDS - start)) s"

@@ -400,7 +400,7 @@ class MoeProblem:
         weights, hidden = self.weights.flatten(), self.w2.shape[1]
         grouped_gemm(self.activated, self.w2, self.out, alignment, weights, 1, hidden, config)
 
-    def up_gemv(self, config: MoeGemvConfig) -> None:
+    def up_gemv(self, config: MoeGemvConfig | None = None) -> None:
         up_gemv(self.x, self.w13, self.ids.flatten(), self.activated, config)
 
     def down_gemv(self, config: MoeGemvConfig | None = None) -> None:
