@@ -1,5 +1,6 @@
 """The fp32 linear layers' GEMM on CPU with AVX-512 (kernels/cpu_gemm.cpp): weights packed in
-panels of 32 output columns, the next panel prefetched while one is computed."""
+panels of 32 output columns, the next panel prefetched while one is computed; and the MLP's
+gate/up GEMM with SiLU-and-mul on its sums."""
 
 from __future__ import annotations
 
@@ -39,3 +40,9 @@ def pack_cpu_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 def cpu_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) in float32 for W packed by pack_cpu_gemm_weight."""
     return torch.ops.asyncllm_cpu_gemm.linear(x, packed, bias)
+
+
+def cpu_gemm_silu_and_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for W = [gate | up] packed by
+    pack_cpu_gemm_weight, each half whole panels: the [M, N] product is never written."""
+    return torch.ops.asyncllm_cpu_gemm.linear_silu_mul(x, packed)

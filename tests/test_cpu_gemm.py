@@ -1,10 +1,16 @@
-"""The AVX-512 fp32 GEMM (kernels/cpu_gemm.cpp) computes what F.linear computes."""
+"""The AVX-512 fp32 GEMM (kernels/cpu_gemm.cpp) computes what F.linear computes, and with
+SiLU-and-mul on its sums what torch computes after it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemm import cpu_gemm, cpu_gemm_available, pack_cpu_gemm_weight
+from kernels.cpu_gemm import (
+    cpu_gemm,
+    cpu_gemm_available,
+    cpu_gemm_silu_and_mul,
+    pack_cpu_gemm_weight,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_gemm_available(), reason="needs AVX-512")
 
@@ -45,3 +51,24 @@ def test_strided_rows_are_read_in_place() -> None:
 def test_no_rows_give_an_empty_output() -> None:
     out = cpu_gemm(torch.empty(0, 16), pack_cpu_gemm_weight(torch.randn(32, 16)), None)
     assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 14, 29, 333])
+def test_silu_and_mul_on_the_sums_matches_torch(rows: int) -> None:
+    """[gate | up] of 3 panels each: silu(gate) * up within a few ulps of torch's."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(6 * 32, 576) * 0.1, torch.randn(rows, 576)
+    x[0, :] = 0.0  # silu(0) = 0
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    out = cpu_gemm_silu_and_mul(x, pack_cpu_gemm_weight(weight))
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_saturates_as_torch_does() -> None:
+    """Gate sums far past exp's range: silu(-200) = -0, silu(200) = 200."""
+    weight = torch.zeros(64, 1)
+    weight[:32] = 200.0  # gate
+    weight[32:] = 1.0  # up
+    x = torch.tensor([[-1.0], [1.0]])
+    out = cpu_gemm_silu_and_mul(x, pack_cpu_gemm_weight(weight))
+    torch.testing.assert_close(out, torch.tensor([[0.0] * 32, [200.0] * 32]))
