@@ -3,8 +3,11 @@ layers and the model code stay as they are (vLLM's LinearMethodBase). The quanti
 (fp8, awq, gptq, compressed_tensors, cpu_int8) implement the same three steps: create the
 parameters the checkpoint fills, repack them once loaded, run the GEMM.
 
-The unquantized method keeps the two fast paths of full-precision weights: batch-1 decode on
-CUDA goes through kernels.gemv, and fp32 weights on CPU are stored in oneDNN's own layout.
+The unquantized method keeps the fast paths of full-precision weights: batch-1 decode on CUDA
+goes through kernels.gemv; fp32 weights on CPU are stored in panels for kernels/cpu_gemm.cpp
+where the CPU has AVX-512 (on the Zen 4 the offline fp32 workload ran 1.21x faster than with
+oneDNN: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json), else in oneDNN's
+own layout.
 
 At batch 1 on an H200, cuBLAS reads a one-row GEMM's weights at a fraction of the copy
 bandwidth (bench/results/decode_gemv_h200.json). On this project's CPUs oneDNN runs the model's
