@@ -1,7 +1,8 @@
 // The fp32 linear layers' GEMM on CPU with AVX-512: y [M, N] = x [M, K] @ W^T (+ bias), W packed
 // as panels of 32 columns, [N / 32][K][32], each panel read once from memory in address order.
-// oneDNN read the weights of decode-sized GEMMs (8-32 rows) at 21 GB/s of the Zen 4's 48;
-// prefetching the next panel into L2 while this one is computed is most of the gain here.
+// At decode's 8-32 rows oneDNN's packed GEMM waited on the weights' reads from memory; here
+// the next panel is prefetched into L2 while this one is computed (the offline fp32 workload
+// 1.21x on the Zen 4: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json).
 // And the MLP's gate/up projection with SiLU-and-mul applied to its sums: [gate | up] is
 // never written, only silu(gate) * up [M, N / 2].
 #include <ATen/Parallel.h>

@@ -409,8 +409,8 @@ def fuses_silu_and_mul(linear: LinearBase) -> bool:
 
 def linear_silu_and_mul(linear: LinearBase, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of linear(x) = [gate | up] in one pass, for a linear that
-    fuses_silu_and_mul: [gate | up] is never written (on the Zen 4 5-12% faster at 1-2,048
-    rows than the GEMM and then torch's SiLU-and-mul)."""
+    fuses_silu_and_mul: [gate | up] is never written (the offline fp32 workload 1.05x on the
+    Zen 4: bench/results/throughput_fp32_cpu_smollm2_zen4_silu_fused_*.json)."""
     return cpu_gemm_silu_and_mul(x, linear.weight)
 
 
