@@ -1,4 +1,5 @@
-"""oneDNN-packed linear layers compute what F.linear computes."""
+"""Packed linear layers (the AVX-512 kernel's panels or oneDNN's layout) compute what F.linear
+computes."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from asyncllm.layers.linear import (
     warm_up_packed_linears,
 )
 from asyncllm.layers.quantization.base import UnquantizedLinearMethod, padded_rows
+from kernels.cpu_gemm import PANEL, cpu_gemm_available
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -23,15 +25,18 @@ def random_linear(input_size: int, output_size: int, bias: bool = True) -> Repli
     return linear
 
 
+@pytest.mark.parametrize("output_size", [150, 160])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 17, 64, 333])
-def test_packed_linear_matches_linear(bias: bool, rows: int) -> None:
+def test_packed_linear_matches_linear(output_size: int, bias: bool, rows: int) -> None:
+    """Whole panels of outputs go to the AVX-512 kernel where it runs, the rest to oneDNN."""
     torch.manual_seed(0)
-    linear = random_linear(96, 160, bias)
+    linear = random_linear(96, output_size, bias)
     x = torch.randn(rows, 96)
     expected = F.linear(x, linear.weight, linear.bias)
     process_weights_after_loading(linear)
-    assert linear.onednn_packed
+    panels = output_size % PANEL == 0 and cpu_gemm_available()
+    assert getattr(linear, "cpu_gemm_packed" if panels else "onednn_packed", False)
     torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
 

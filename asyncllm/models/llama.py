@@ -19,6 +19,8 @@ from asyncllm.layers.linear import (
     QuantizationConfig,
     RowParallelLinear,
     default_weight_loader,
+    fuses_silu_and_mul,
+    linear_silu_and_mul,
     read_all,
     rms_norm_linear,
     silu_and_mul_linear,
@@ -158,6 +160,16 @@ class MLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_linear(self.down_proj, gate_up)
 
+    def norm_forward(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual)"""
+        if fuses_silu_and_mul(self.gate_up_proj):
+            x, residual = norm(x, residual)
+            return self.down_proj(linear_silu_and_mul(self.gate_up_proj, x)), residual
+        gate_up, residual = rms_norm_linear(norm, self.gate_up_proj, x, residual)
+        return self.down(gate_up), residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
 
@@ -211,10 +223,7 @@ class DecoderLayer(PiecewiseDecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual)"""
         x = self.self_attn.o_proj(attn_out.flatten(1))
-        gate_up, residual = rms_norm_linear(
-            self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual
-        )
-        return self.mlp.down(gate_up), residual
+        return self.mlp.norm_forward(self.post_attention_layernorm, x, residual)
 
 
 class LlamaForCausalLM(nn.Module):

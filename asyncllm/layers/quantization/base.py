@@ -3,8 +3,11 @@ layers and the model code stay as they are (vLLM's LinearMethodBase). The quanti
 (fp8, awq, gptq, compressed_tensors, cpu_int8) implement the same three steps: create the
 parameters the checkpoint fills, repack them once loaded, run the GEMM.
 
-The unquantized method keeps the two fast paths of full-precision weights: batch-1 decode on
-CUDA goes through kernels.gemv, and fp32 weights on CPU are stored in oneDNN's own layout.
+The unquantized method keeps the fast paths of full-precision weights: batch-1 decode on CUDA
+goes through kernels.gemv; fp32 weights on CPU are stored in panels for kernels/cpu_gemm.cpp
+where the CPU has AVX-512 (on the Zen 4 the offline fp32 workload ran 1.21x faster than with
+oneDNN: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json), else in oneDNN's
+own layout.
 
 At batch 1 on an H200, cuBLAS reads a one-row GEMM's weights at a fraction of the copy
 bandwidth (bench/results/decode_gemv_h200.json). On this project's CPUs oneDNN runs the model's
@@ -23,6 +26,7 @@ from torch import nn
 
 import kernels
 from asyncllm.layers.quantization.parameter import weight_param
+from kernels.cpu_gemm import cpu_gemm, cpu_gemm_fits, pack_cpu_gemm_weight
 
 # rows oneDNN packs the weights for (a decode batch); other row counts run as fast here
 _ROWS_HINT = 32
@@ -79,21 +83,31 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        weight = layer.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        packed = self._pack_cpu_weight(layer.weight.detach())
+        if packed is None:
             return
-        if not torch.backends.mkldnn.is_available():
-            return
-        weight = weight.detach().to(self.cpu_weight_dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
         # a tied lm_head gets its own packed copy: the embedding keeps the dense parameter
         del layer.weight
-        layer.register_buffer("weight", packed)
-        layer.onednn_packed = True
+        layer.register_buffer("weight", packed[0])
+        setattr(layer, packed[1], True)
+
+    def _pack_cpu_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+        """A float32 CPU weight in the layout of the GEMM that will run it, and that layout's
+        flag: the AVX-512 kernel's panels, else oneDNN's (the bf16 mode's too)."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        if self.cpu_weight_dtype == torch.float32 and cpu_gemm_fits(weight):
+            return pack_cpu_gemm_weight(weight), "cpu_gemm_packed"
+        if not torch.backends.mkldnn.is_available():
+            return None
+        weight = weight.to(self.cpu_weight_dtype)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT), "onednn_packed"
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if getattr(layer, "cpu_gemm_packed", False):
+            return cpu_gemm(x, layer.weight, bias)
         if getattr(layer, "onednn_packed", False):
             # packed weights come from float32 parameters: the model computes in float32
             keep = getattr(layer, "keeps_weight_dtype", False) and bias is None
