@@ -71,6 +71,7 @@ from kernels.fused_moe import (  # noqa: E402
     grouped_gemm,
     tile_config,
     tiles_to_json,
+    top_k_sum,
 )
 from kernels.mla_decode import paged_mla_decode  # noqa: E402
 from kernels.moe_gemv import (  # noqa: E402
@@ -409,7 +410,7 @@ class MoeProblem:
         summed_down_gemv(self.activated, self.w2, self.summed, ids, weights, config)
 
     def top_k_sum(self) -> torch.Tensor:
-        return self.out.view(*self.ids.shape, -1).sum(1)
+        return top_k_sum(self.out.view(*self.ids.shape, -1))
 
     def whole(self, tiles: MoeTiles | None = None) -> torch.Tensor:
         return fused_experts(self.x, self.w13, self.w2, self.weights, self.ids, tiles)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from asyncllm.layers.fused_moe.torch_experts import torch_experts
 from kernels.fused_moe import (
+    ExpertAlignment,
     MoeTileConfig,
     MoeTiles,
     align_by_expert,
@@ -20,6 +21,7 @@ from kernels.fused_moe import (
     fused_experts,
     tiles_from_json,
     tiles_to_json,
+    top_k_sum,
     uses_one_pair_tiles,
 )
 from kernels.moe_gemv import MoeGemvConfig, summed_down_gemv, up_gemv
@@ -131,14 +133,24 @@ def used_tiles(aligned) -> dict[int, list[tuple[int, int]]]:
     }
 
 
+def runs(aligned: ExpertAlignment, lengths: list[int]) -> list[list[int]]:
+    """The sorted list cut into runs of these lengths, each run's pair ids in ascending order
+    (the alignment leaves a run's order open; the padding sentinel sorts last)."""
+    rows, start = aligned.sorted_pair_ids.tolist(), 0
+    cut = []
+    for length in lengths:
+        cut.append(sorted(rows[start : start + length]))
+        start += length
+    return cut
+
+
 def test_alignment_pads_each_expert_to_the_block() -> None:
     ids = torch.tensor([[2, 0], [0, 2], [3, 0]], dtype=torch.int32, device=DEVICE)
     aligned = align_by_expert(ids, block_m=4, num_experts=5)
     # experts 0, 2, 3: one 4-row tile each
     assert used_tiles(aligned) == {4: [(0, 0), (4, 2), (8, 3)]}
-    sorted_ids = aligned.sorted_pair_ids.tolist()
-    assert sorted_ids[:4] == [1, 2, 5, 6] and sorted_ids[4:8] == [0, 3, 6, 6]
-    assert sorted_ids[8:12] == [4, 6, 6, 6]
+    # each run's pairs in any order, its padding (the sentinel 6) after them
+    assert runs(aligned, [4, 4, 4]) == [[1, 2, 5, 6], [0, 3, 6, 6], [4, 6, 6, 6]]
 
 
 def test_tails_take_tiles_of_their_own_height() -> None:
@@ -147,7 +159,9 @@ def test_tails_take_tiles_of_their_own_height() -> None:
     ids = torch.tensor([[0, 1]] + [[0, 3]] * 4, dtype=torch.int32, device=DEVICE)
     aligned = align_by_expert(ids, block_m=4, num_experts=4, tail_m=2)
     assert used_tiles(aligned) == {4: [(0, 0), (8, 3)], 2: [(4, 0), (6, 1)]}
-    assert aligned.sorted_pair_ids.tolist()[:12] == [0, 2, 4, 6, 8, 10, 1, 10, 3, 5, 7, 9]
+    # expert 0's five pairs in its full tile and tail, padded after them
+    assert runs(aligned, [6, 2, 4]) == [[0, 2, 4, 6, 8, 10], [1, 10], [3, 5, 7, 9]]
+    assert aligned.sorted_pair_ids[5] == 10
 
 
 def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatch) -> None:
@@ -172,27 +186,38 @@ def test_tile_config_takes_the_nearest_committed_batch_size(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("tail_m", [0, 8])
 @pytest.mark.parametrize("num_experts,num_tokens", [(5, 700), (200, 1100)])
-def test_alignment_over_many_chunks_matches_a_stable_sort(num_experts, num_tokens, tail_m) -> None:
-    # 1,400 pairs of 5 experts: two 1,024-pair chunks; of 200 experts: 35 chunks of 64, past
-    # the prefix kernel's 32-chunk step; experts left idle either way
+def test_alignment_over_many_programs_groups_each_experts_pairs(
+    num_experts, num_tokens, tail_m
+) -> None:
+    # 1,400 pairs of 5 experts: two programs of 1,024 pairs; of 200 experts, 2,200 pairs:
+    # three, most experts' counts added to by each; experts left idle either way
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, num_experts - 2, (num_tokens, 2), generator=gen, dtype=torch.int32)
     aligned = align_by_expert(ids.to(DEVICE), 16, num_experts, tail_m)
-    flat, expected, tiles = ids.flatten(), [], {16: [], tail_m: []}
+    flat, expected, lengths, tiles = ids.flatten(), [], [], {16: [], tail_m: []}
     for e in range(num_experts):
         run = (flat == e).nonzero().flatten().tolist()
         full = len(run) // 16 if tail_m else -(-len(run) // 16)
-        tiles[16] += [(len(expected) + 16 * i, e) for i in range(full)]
+        tiles[16] += [(sum(lengths) + 16 * i, e) for i in range(full)]
         height = tail_m or 16
         run += [flat.numel()] * (-len(run) % height)
-        tail_start = len(expected) + 16 * full
+        tail_start = sum(lengths) + 16 * full
         tiles[tail_m] += [
             (tail_start + height * i, e) for i in range((len(run) - 16 * full) // height)
         ]
-        expected += run
+        expected.append(run)
+        lengths.append(len(run))
     assert used_tiles(aligned) == {h: t for h, t in tiles.items() if h}
-    assert aligned.sorted_pair_ids.tolist()[: len(expected)] == expected
-    assert set(aligned.sorted_pair_ids.tolist()[len(expected) :]) <= {flat.numel()}
+    assert runs(aligned, lengths) == expected
+    assert set(aligned.sorted_pair_ids.tolist()[sum(lengths) :]) <= {flat.numel()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_top_k_sum_adds_each_tokens_choices(dtype) -> None:
+    # 6 choices (a power of two in the tile, 2 masked), 1,100 columns: a second, partial block
+    rows = torch.randn(3, 6, 1100, device=DEVICE).to(dtype)
+    expected = rows.double().sum(1)
+    assert relative_error(top_k_sum(rows), expected) < TOLERANCE[dtype] / 10
 
 
 def test_default_tiles_follow_each_experts_run_at_prefill() -> None:
