@@ -39,7 +39,7 @@ from kernels import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_gemv,
 )
-from kernels.gemv_kernels import GemvConfig, choose_gemv_config  # noqa: E402
+from kernels.gemv_kernels import GemvConfig, choose_gemv_config, gemv_config  # noqa: E402
 
 DTYPE = torch.bfloat16
 SWEEP = [
@@ -137,7 +137,7 @@ def sweep_gemm(name: str, n: int, k: int, copies: int, copy: float) -> dict:
         us = per_gemm_us(lambda w, c=config: gemv(x, w, config=c))
         rows.append({"config": vars(config), "us": us, "gbps": n * k * 2 / us / 1e3})
     best = min(rows, key=lambda r: r["us"])
-    chosen = choose_gemv_config(n, k)
+    chosen = gemv_config(n, k)
     chosen_us = per_gemm_us(lambda w: gemv(x, w, config=chosen))
     cublas_us = per_gemm_us(lambda w: F.linear(x, w))
     return {

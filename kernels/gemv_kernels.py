@@ -42,6 +42,15 @@ class GemvConfig:
     programs_per_sm: int = 0
 
 
+# 16- and 32-bit weights' settings per (N, K) where a sweep found choose_gemv_config's more than
+# 5% slower (bench/decode_gemv.py): Qwen3-30B-A3B's qkv_proj and o_proj, 6.77 -> 5.56 and 6.34
+# -> 5.09 us (decode_gemv_qwen3-30b-a3b_h200.json). ASYNCLLM_GEMV, the JSON {"NxK": {GemvConfig's
+# fields}}, adds to and overrides the table (a sweep's winners, tried in the same run)
+GEMV_BY_SHAPE: dict[tuple[int, int], GemvConfig] = {
+    (5120, 2048): GemvConfig(block_n=4, block_k=1024, num_warps=4),
+    (2048, 4096): GemvConfig(block_n=2, block_k=2048, num_warps=8),
+}
+GEMV_BY_SHAPE_ENV = "ASYNCLLM_GEMV"
 # e4m3 weights' settings per (N, K) where a sweep found better than choose_gemv_config's
 # (bench/fp8_gemm_sweep.py); ASYNCLLM_FP8_GEMV, the JSON {"NxK": {GemvConfig's fields}} the
 # sweep writes, adds to and overrides the table
@@ -204,6 +213,14 @@ def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
 
 
+def gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
+    """The settings a GEMV of W [N, K] runs with: its shape's in the tables, else the rule."""
+    if fp8:
+        return fp8_gemv_config(n, k)
+    table = configs_by_shape(GEMV_BY_SHAPE_ENV, tuple(GEMV_BY_SHAPE.items()), GemvConfig)
+    return table.get((n, k)) or choose_gemv_config(n, k)
+
+
 def fp8_gemv_config(n: int, k: int) -> GemvConfig:
     """FP8_GEMV_BY_SHAPE's, else four e4m3 rows a program (half as long in bytes, they give a
     program bf16's two rows' bytes) in K tiles of up to 2,048 values on 4 warps: the fastest
@@ -232,7 +249,7 @@ def _launch(
     assert weight.dtype == x.dtype or fp8
     assert scale is None or (scale.is_contiguous() and scale.numel() == n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    config = config or (fp8_gemv_config(n, k) if fp8 else choose_gemv_config(n, k))
+    config = config or gemv_config(n, k, fp8)
     pdl = uses_pdl(x.device)
     blocks = triton.cdiv(n, config.block_n)
     persistent = config.programs_per_sm > 0 and prologue == NO_PROLOGUE and k <= config.block_k

@@ -22,7 +22,8 @@ from asyncllm.layers.linear import (
 )
 from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm, rms_norm
 from kernels import gemv, rms_norm_gemv, silu_and_mul_gemv
-from kernels.gemv_kernels import GemvConfig, choose_gemv_config
+from kernels._common import configs_by_shape
+from kernels.gemv_kernels import GEMV_BY_SHAPE, GemvConfig, choose_gemv_config, gemv_config
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -31,6 +32,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (N, K) of each GEMM of a decode step: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
 QWEN3_0_6B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
 LLAMA_3_1_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+# Qwen3-30B-A3B's qkv_proj and o_proj: GEMV_BY_SHAPE's entries
+QWEN3_30B_A3B = [(5120, 2048), (2048, 4096)]
 # N, K: one row and one column, odd sizes, an odd N at K = 2048 (the 8-warp tile), K over one
 # 4096-value tile (a K loop)
 AWKWARD = [(1, 64), (17, 96), (1000, 1000), (1027, 2048), (33, 5000)]
@@ -132,6 +135,21 @@ def test_config_gives_every_h200_sm_three_programs_and_covers_k(n: int, k: int) 
     assert config.block_k <= 4096 and (config.block_k >= k or config.block_k == 4096)
 
 
+def test_shapes_in_the_table_take_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A swept shape runs its table entry, others the rule; the environment's entries (a
+    sweep's winners) add to and override the table."""
+    monkeypatch.setenv("ASYNCLLM_GEMV", '{"1000x1000": {"block_n": 8, "block_k": 256}}')
+    configs_by_shape.cache_clear()
+    try:
+        assert (
+            gemv_config(5120, 2048) == GEMV_BY_SHAPE[5120, 2048] != choose_gemv_config(5120, 2048)
+        )
+        assert gemv_config(1000, 1000) == GemvConfig(block_n=8, block_k=256)
+        assert gemv_config(1027, 2048) == choose_gemv_config(1027, 2048)
+    finally:
+        configs_by_shape.cache_clear()
+
+
 def test_layer_helpers_fall_back_to_the_unfused_ops_off_cuda() -> None:
     torch.manual_seed(0)
     norm, linear, down = RMSNorm(48, 1e-6), Linear(48, 20, bias=True), Linear(10, 48)
@@ -150,7 +168,7 @@ def test_layer_helpers_fall_back_to_the_unfused_ops_off_cuda() -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("n, k", QWEN3_0_6B + LLAMA_3_1_8B)
+@pytest.mark.parametrize("n, k", QWEN3_0_6B + LLAMA_3_1_8B + QWEN3_30B_A3B)
 def test_gemv_matches_torch_on_model_shapes_in_bf16(n: int, k: int) -> None:
     x = randn(1, k, dtype=torch.bfloat16, seed=k)
     w, _ = weights(n, k, torch.bfloat16, bias=False)
