@@ -8,14 +8,16 @@ Per case: each candidate (kernels.mla_decode.MLADecodeConfig: tile, warps, stage
 per SM, head groups, folded merge, L2 prefetch; the split count that follows from it)
 checked against the torch reference, then timed replayed in CUDA graphs over rotating caches
 (together four times the L2, so the latents come from device memory, as the engine's layers'
-caches do). A folded merge zeroes its counters on each call, as kernels.paged_mla_decode does
-when given none (the engine gives none): the table's choice is what the engine would run.
+caches do). A folded merge finds its counters zero, left so by the call before, as the engine's
+layers do (asyncllm/attention/mla.py: fold_counters, zeroed once a step): the table's choice is
+what the engine would run.
 Beside the best: the kernel's table as it stands (`table`), the previous sweep's best
 (`previous`, from the committed mla_sweep_h200.json), and what the time is made of: the best
 config over empty contexts (launches, prologue, merge of nothing) and, for the fastest
 two-launch split, its merge launch alone, the best without programmatic dependent launch
-(PDL: in this loop the call before lets each launch start early), the best fold with
-counters kept zero between calls (what an engine that kept them would save).
+(PDL: in this loop the call before lets each launch start early), the best fold with its
+counters zeroed on each call (what kernels.paged_mla_decode does when given none: the step's
+first layer).
 `one_launch_seconds`: a single one-program launch of the kernel, the cost of a kernel in a
 graph here. The bytes are the latents read, the query read and the output written;
 `floor_seconds` is them at the copy bandwidth.
@@ -120,9 +122,9 @@ class Case:
             return attend_latent_torch(*args, self.rank)
         return paged_mla_decode(*args, self.rank, splits, config, counters)
 
-    def time(self, config: MLADecodeConfig, splits: int, empty=False, kept_counters=False):
+    def time(self, config: MLADecodeConfig, splits: int, empty=False, zeroed_counters=False):
         """Checked against the reference, then seconds per call replayed over the rotation."""
-        counters = self.counters if kept_counters else None
+        counters = None if zeroed_counters else self.counters
         error = None
         if not empty:
             out = self.attend(0, self.length, splits, config, counters=counters).double()
@@ -195,7 +197,7 @@ def time_candidate(case: Case, label: str, config: MLADecodeConfig, splits: int,
 
 
 def breakdown(case: Case, rows: list[dict], best: dict) -> dict:
-    """What the best config's time is made of, and what keeping a fold's counters saves."""
+    """What the best config's time is made of, and what zeroing a fold's counters costs."""
     config = MLADecodeConfig(**best["config"])
     parts = {"empty_contexts_seconds": case.time(config, best["splits"], empty=True)["seconds"]}
     two_launch = [r for r in rows if r["splits"] > 1 and not r["config"]["fold_merge"]]
@@ -209,8 +211,8 @@ def breakdown(case: Case, rows: list[dict], best: dict) -> dict:
     folds = [r for r in rows if r["splits"] > 1 and r["config"]["fold_merge"]]
     if folds:
         fold = min(folds, key=lambda r: r["seconds"])
-        kept = case.time(MLADecodeConfig(**fold["config"]), fold["splits"], kept_counters=True)
-        parts["best_fold_kept_counters_seconds"] = kept["seconds"]
+        zeroed = case.time(MLADecodeConfig(**fold["config"]), fold["splits"], zeroed_counters=True)
+        parts["best_fold_zeroed_counters_seconds"] = zeroed["seconds"]
     return parts
 
 

@@ -288,6 +288,31 @@ def test_mixed_step_equals_absorbed_attention_row_for_row(dtype: torch.dtype) ->
     assert torch.equal(given, out)
 
 
+@pytest.mark.skipif(not FULL, reason="the counters are the CUDA kernel's")
+@torch.inference_mode()
+def test_a_steps_layers_share_fold_counters_left_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's call gets the step's one zeroed buffer (a fold leaves it zero, so the
+    zeroing launches once a step), big enough for every row's heads."""
+    heads, rank, rope = DIMS
+    dims = MLADims(heads, 128, rope, 128, rank, scale=0.1)
+    _, meta = mixed_metadata()
+    given = []
+
+    def recording(*args, counters=None):
+        given.append(counters)
+        return paged_mla_decode(*args, counters=counters)
+
+    monkeypatch.setattr(kernels, "paged_mla_decode", recording)
+    query = torch.randn(22, heads, 128 + rope, device=DEVICE, dtype=torch.bfloat16)
+    kv_b = torch.randn(heads * 256, rank, device=DEVICE, dtype=torch.bfloat16) / rank**0.5
+    layer = MLAttention(dims, max_absorbed_rows=64)  # every row absorbed
+    first = layer.attend(query, latent_cache(torch.bfloat16), meta, kv_b)
+    second = layer.attend(query, latent_cache(torch.bfloat16), meta, kv_b)
+    assert len(given) == 2 and given[0] is given[1]
+    assert given[0].numel() >= 22 * heads and not given[0].any()
+    assert torch.equal(first, second)
+
+
 def test_splits_fill_the_gpu_without_a_partial_wave() -> None:
     cpu = torch.device("cpu")  # 8 "SMs" here
     one, two = MLADecodeConfig(32, 4, 2, 1), MLADecodeConfig(64, 4, 2, 2)

@@ -139,15 +139,18 @@ def attend_absorbed(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     dims: MLADims,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [T, H, nope + rope] -> [T, H, v] through the latent space."""
+    """query [T, H, nope + rope] -> [T, H, v] through the latent space; counters: the CUDA
+    kernel's for a folded merge (fold_counters), None to have it zero its own."""
     q_nope, q_pe = query.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
     q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
     absorbed = torch.cat([q_latent, q_pe], dim=-1)
-    attend = kernels.paged_mla_decode if query.is_cuda else attend_latent_torch
-    out_latent = attend(
-        absorbed, kv_cache, block_tables, request, length, dims.scale, dims.kv_lora_rank
-    )
+    args = (absorbed, kv_cache, block_tables, request, length, dims.scale, dims.kv_lora_rank)
+    if query.is_cuda:
+        out_latent = kernels.paged_mla_decode(*args, counters=counters)
+    else:
+        out_latent = attend_latent_torch(*args)
     # per head into [T, H, v] directly (cuBLAS writes the strided rows): o_proj reads it flat,
     # where the einsum's [H, T, v] layout cost a copy a layer at every batch above 1
     out = out_latent.new_empty(*out_latent.shape[:2], dims.v_head_dim)
@@ -265,6 +268,20 @@ def attend_causal_varlen(
     return out
 
 
+def fold_counters(meta: AttentionMetadata, query: torch.Tensor) -> torch.Tensor | None:
+    """Zeros for the CUDA kernel's folded merge, enough for query's rows and heads, made once
+    a step for every layer: each call leaves them zero, so only the step's first layer pays
+    for the zeroing (a launch; about 2.5 us a call at 32-128 rows on the H200,
+    mla_sweep_h200.json). None on CPU (the torch path merges nothing)."""
+    if not query.is_cuda:
+        return None
+    rows, heads = query.shape[:2]
+    return meta.once(
+        ("mla_fold_counters", rows),
+        lambda: torch.zeros(rows * heads, dtype=torch.int32, device=query.device),
+    )
+
+
 class MLAttention:
     """The attention of one MLA layer; the projections around it belong to the model."""
 
@@ -285,8 +302,9 @@ class MLAttention:
             return self._mixed(query, kv_cache, meta, kv_b_weight, out)
         w_uk, w_uv = up_projections(kv_b_weight, self.dims)
         request, length = row_contexts(meta, query.shape[0])
+        counters = fold_counters(meta, query)
         result = attend_absorbed(
-            query, kv_cache, meta.block_tables, request, length, w_uk, w_uv, self.dims
+            query, kv_cache, meta.block_tables, request, length, w_uk, w_uv, self.dims, counters
         )
         if out is None:
             return result
@@ -328,6 +346,7 @@ class MLAttention:
                 w_uk,
                 w_uv,
                 self.dims,
+                fold_counters(meta, query),
             )
             out.index_copy_(0, rows, decodes)
         return out
