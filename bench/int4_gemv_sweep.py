@@ -29,7 +29,12 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 import kernels  # noqa: E402
 from asyncllm.layers.quantization.int4 import RUNTIME_ORDER, dequantize_int4, pack_int4  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
-from kernels.int4_kernels import GEMV_BY_SHAPE, GEMV_CONFIG, Int4GemvConfig  # noqa: E402
+from kernels.int4_kernels import (  # noqa: E402
+    GEMV_BY_SHAPE,
+    GEMV_CONFIG,
+    Int4GemvConfig,
+    int4_n_major,
+)
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 GROUP = 128
@@ -49,6 +54,12 @@ CONFIGS = [
         )
     ),
     Int4GemvConfig(block_n=16, block_r=16, slices=8, splits=2, num_warps=8),
+    # with the weights stored N-major (--n-major) a column's words are one run: few columns
+    # a tile, each read 512 B-1 KB at a time
+    *(
+        Int4GemvConfig(block_n=bn, block_r=16, slices=sl, splits=1, num_warps=w)
+        for bn, sl, w in ((2, 8, 2), (2, 16, 4), (4, 8, 4), (4, 16, 8), (8, 4, 4), (8, 8, 8))
+    ),
 ]  # fmt: skip
 # weights rotated through copies of at least this many bytes, past the H200's 50 MB L2
 ROTATE_BYTES = 256 << 20
@@ -62,17 +73,20 @@ def time_ms(fn, copies: int) -> float:
     )
 
 
-def sweep_shape(n: int, k: int, copy_bps: float) -> dict:
+def sweep_shape(n: int, k: int, copy_bps: float, n_major: bool) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randint(0, 16, (k, n), device="cuda", generator=gen)
     qw = pack_int4(q, 0, RUNTIME_ORDER)
     s = (torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.02 + 0.005).bfloat16()
     z = torch.randint(0, 16, (k // GROUP, n), device="cuda", generator=gen).bfloat16()
+    if n_major:
+        qw, s, z = (int4_n_major(t) for t in (qw, s, z))
     x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
     ref = x.float() @ dequantize_int4(qw, s, z, GROUP, k)
     # weights, scales and zero points: the fewest bytes the GEMV must read
     weight_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
     copies = -(-ROTATE_BYTES // weight_bytes)
+    # clone keeps the strides (a dense tensor's storage order)
     int4 = [(qw.clone(), s.clone(), z.clone()) for _ in range(copies)]
     w16 = torch.randn(n, k, device="cuda", generator=gen).bfloat16()
     w16 = [w16.clone() for _ in range(-(-ROTATE_BYTES // (n * k * 2)))]
@@ -160,6 +174,7 @@ def write_results(args: argparse.Namespace, copy_bps: float, shapes: list[dict])
     result = {
         **run_header("int4_gemv_sweep", copy_bps),
         "group_size": GROUP,
+        "n_major": args.n_major,
         "best_overall": best_overall(shapes),
         "best_by_shape": {f"{s['n']}x{s['k']}": s["best"]["config"] for s in shapes if s["best"]},
         "shapes": shapes,
@@ -174,11 +189,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--winner", type=Path, help="write the fastest settings per shape here")
+    parser.add_argument(
+        "--n-major", action="store_true", help="the weights stored column by column"
+    )
     args = parser.parse_args()
     copy_bps = copy_bandwidth(torch.device("cuda"))
     shapes = []
     for n, k in PROJECTIONS:
-        shapes.append(sweep_shape(n, k, copy_bps))
+        shapes.append(sweep_shape(n, k, copy_bps, args.n_major))
         report_shape(shapes[-1])
         result = write_results(args, copy_bps, shapes)
     overall = result["best_overall"]

@@ -154,6 +154,10 @@ def _int4_gemm_kernel(
     N,
     K,
     group_size,
+    stride_wr,
+    stride_wn,
+    stride_sg,
+    stride_sn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -177,9 +181,10 @@ def _int4_gemm_kernel(
         )
         r = k0 // 8 + words
         mask = (r < packed_rows)[:, None] & col_mask[None, :]
-        packed = tl.load(qw_ptr + r.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
+        words_at = r.to(tl.int64)[:, None] * stride_wr + cols[None, :] * stride_wn
+        packed = tl.load(qw_ptr + words_at, mask=mask, other=0)
         # group_size is a multiple of 8: a packed word's 8 values share their group
-        g = ((r * 8) // group_size).to(tl.int64)[:, None] * N + cols[None, :]
+        g = ((r * 8) // group_size).to(tl.int64)[:, None] * stride_sg + cols[None, :] * stride_sn
         scale = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
         q = _nibbles(packed[:, None, :], shifts[None, :, None])  # [BLOCK_K // 8, 8, BLOCK_N]
@@ -283,6 +288,10 @@ def _int4_gemv_kernel(
     N,
     K,
     k_per_split,
+    stride_wr,
+    stride_wn,
+    stride_sg,
+    stride_sn,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -305,24 +314,26 @@ def _int4_gemv_kernel(
     # [slice, row, 1]: packed row slice * BLOCK_R + row of a tile, and each slice's first row
     firsts = (tl.arange(0, SLICES) * BLOCK_R)[:, None, None]
     rs = firsts + tl.arange(0, BLOCK_R)[None, :, None]
-    offsets = rs * N + cols
+    offsets = rs * stride_wr + cols * stride_wn
     tile_rows = SLICES * BLOCK_R
     r_start = pid_k * (k_per_split // 8)
     r_end = tl.minimum(r_start + k_per_split // 8, tl.cdiv(K, 8))
     acc0 = tl.zeros((SLICES, BLOCK_R, BLOCK_N), dtype=tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     # no kernel writes W: its first tile needs no wait
-    packed = _w_tile(qw_ptr + r_start * N, offsets, r_start + rs, r_end, col_mask, EVEN)
+    packed = _w_tile(qw_ptr + r_start * stride_wr, offsets, r_start + rs, r_end, col_mask, EVEN)
     if USE_PDL:  # the next kernel may start loading its weights; x is the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     for r0 in range(r_start, r_end, tile_rows):
         r = r0 + rs
         r_next = r0 + tile_rows
-        following = _w_tile(qw_ptr + r_next * N, offsets, r_next + rs, r_end, col_mask, EVEN)
+        following = _w_tile(
+            qw_ptr + r_next * stride_wr, offsets, r_next + rs, r_end, col_mask, EVEN
+        )
         # [slice, 1, col]: a slice's group's scales and zero points (masked past K: its words
         # are zeros, x too, but a zero point's (q - z) pairs are not)
-        groups = (r0 + firsts) // (GROUP_SIZE // 8) * N + cols
+        groups = (r0 + firsts) // (GROUP_SIZE // 8) * stride_sg + cols * stride_sn
         group_mask = col_mask & (r0 + firsts < r_end)
         scale = tl.load(s_ptr + groups, mask=group_mask, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + groups, mask=group_mask, other=0.0).to(tl.float32)
@@ -366,10 +377,13 @@ def int4_gemm(
     gemv_config: Int4GemvConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W [K, N]: qweight int32 [ceil(K / 8), N], scales and zeros [groups, N] (zeros
-    as the zero point's whole value, in any float dtype), group_size a multiple of 8."""
+    as the zero point's whole value, in any float dtype), group_size a multiple of 8. Any
+    strides: each column's words one after another (N-major, int4_n_major) or each packed
+    row's columns (row-major); zeros strided as scales."""
     (m, k), n = x.shape, qweight.shape[1]
     if group_size % 8:
         raise ValueError(f"int4_gemm: group_size must be a multiple of 8, got {group_size}")
+    assert zeros.stride() == scales.stride()
     x = x.contiguous()
     if m <= GEMV_MAX_ROWS:
         config = gemv_config or gemv_config_for(m, n, k)
@@ -389,6 +403,8 @@ def int4_gemm(
         n,
         k,
         group_size,
+        *qweight.stride(),
+        *scales.stride(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=64,
@@ -397,6 +413,12 @@ def int4_gemm(
         num_stages=3,
     )
     return out
+
+
+def int4_n_major(t: torch.Tensor) -> torch.Tensor:
+    """t [rows, N] stored column by column (the same values, strides (1, rows)): the GEMV then
+    reads each column's packed words, a group's scales, in one run of addresses."""
+    return t.t().contiguous().t()
 
 
 def half_kind(x: torch.Tensor) -> int:
@@ -433,6 +455,8 @@ def _gemv(x, qweight, scales, zeros, group_size, config):
         n,
         k,
         k_per_split,
+        *qweight.stride(),
+        *scales.stride(),
         GROUP_SIZE=group_size,
         BLOCK_M=next_pow2(m),
         BLOCK_N=config.block_n,

@@ -37,19 +37,22 @@ from kernels.int4_kernels import (
     PAIR_MASK,
     Int4GemvConfig,
     gemv_config_for,
+    int4_n_major,
 )
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def int4_weights(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
+def int4_weights(k: int, n: int, group: int, dtype: torch.dtype, seed: int, n_major=False):
+    """qweight, scales, zeros; n_major: stored column by column (kernels.int4_n_major)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
     groups = -(-k // group)
     scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.005).to(dtype)
     zeros = torch.randint(0, 16, (groups, n), generator=gen).to(dtype)
-    return pack_int4(q, 0, RUNTIME_ORDER).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+    tensors = (pack_int4(q, 0, RUNTIME_ORDER), scales, zeros)
+    return tuple((int4_n_major(t) if n_major else t).to(DEVICE) for t in tensors)
 
 
 # (M, K, N, group): GEMV rows (1-4) and GEMM rows (5, 37), K ending mid-group and mid-word;
@@ -70,8 +73,9 @@ INT4_CASES = [
 
 @pytest.mark.parametrize(("m", "k", "n", "group"), INT4_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int4_gemm_matches_dequantized_weights(m, k, n, group, dtype) -> None:
-    qweight, scales, zeros = int4_weights(k, n, group, dtype, seed=m + k + n)
+@pytest.mark.parametrize("n_major", [False, True])
+def test_int4_gemm_matches_dequantized_weights(m, k, n, group, dtype, n_major) -> None:
+    qweight, scales, zeros = int4_weights(k, n, group, dtype, seed=m + k + n, n_major=n_major)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
     expected = x.float() @ dequantize_int4(qweight, scales, zeros, group, k)
     out = kernels.int4_gemm(x, qweight, scales, zeros, group)
@@ -114,9 +118,10 @@ def test_int4_gemv_launch_settings(m, k, n, config) -> None:
     (1, 4096, 32, 128, Int4GemvConfig(block_n=16, block_r=16, slices=8, splits=1, num_warps=8)),
 ])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_gemv_tiles_of_several_slices(m, k, n, group, config, dtype) -> None:
+@pytest.mark.parametrize("n_major", [False, True])
+def test_int4_gemv_tiles_of_several_slices(m, k, n, group, config, dtype, n_major) -> None:
     """bf16 takes the packed path on the GPU (the fp32 one on the CPU)."""
-    qweight, scales, zeros = int4_weights(k, n, group, dtype, seed=k + n)
+    qweight, scales, zeros = int4_weights(k, n, group, dtype, seed=k + n, n_major=n_major)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(dtype).to(DEVICE)
     expected = x.float() @ dequantize_int4(qweight, scales, zeros, group, k)
     out = kernels.int4_gemm(x, qweight, scales, zeros, group, gemv_config=config)
@@ -198,7 +203,8 @@ from kernels.int4_kernels import _int4_gemv_kernel
 half, rows, even, slices = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 ty = "*bf16" if half == 1 else "*fp16"
 signature = {"x_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "out_ptr": "*fp32",
-             "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
+             "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_wr": "i32",
+             "stride_wn": "i32", "stride_sg": "i32", "stride_sn": "i32"}
 constexprs = {"GROUP_SIZE": 128, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_R": 16,
               "SLICES": slices, "SPLIT_K": True, "EVEN": even, "HALF": half, "USE_PDL": True}
 signature.update(dict.fromkeys(constexprs, "constexpr"))
