@@ -66,9 +66,11 @@ from kernels.fused_moe import (  # noqa: E402
     ExpertAlignment,
     MoeTileConfig,
     MoeTiles,
+    Rows,
     align_for,
     fused_experts,
     grouped_gemm,
+    sorted_rows,
     tile_config,
     tiles_to_json,
     top_k_sum,
@@ -90,6 +92,7 @@ PREFILL_SIZES = [512, 2048, 8192]
 UP_GEMV_SETTINGS = [(2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 1024, 8), (8, 2048, 8)]
 DOWN_GEMV_SETTINGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 8), (2, 2048, 8), (8, 2048, 8)]
 DTYPE = torch.bfloat16
+MAX_BLOCK_M = 128  # the tallest row tile bench/moe_tune.py sweeps
 BYTES = 2
 
 
@@ -374,7 +377,8 @@ class MoeProblem:
     w2: torch.Tensor
     weights: torch.Tensor
     ids: torch.Tensor
-    activated: torch.Tensor
+    activated: torch.Tensor  # [pairs, I]: at one pair a tile
+    sorted_activated: torch.Tensor  # [sorted rows, I]: grouped by expert, as fused_experts
     out: torch.Tensor  # [pairs, H]: each pair's row
     summed: torch.Tensor  # [T, H]: down_gemv's
 
@@ -382,9 +386,12 @@ class MoeProblem:
     def make(cls, x, w13, w2, weights, ids) -> MoeProblem:
         pairs, inner, hidden = ids.numel(), w2.shape[2], w2.shape[1]
         activated = torch.randn(pairs, inner, device=x.device, dtype=x.dtype)
+        # room for the sorted rows of every alignment swept
+        rows = sorted_rows(pairs, w13.shape[0], MAX_BLOCK_M)
+        sorted_activated = torch.randn(rows, inner, device=x.device, dtype=x.dtype)
         out = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
         summed = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
-        return cls(x, w13, w2, weights, ids, activated, out, summed)
+        return cls(x, w13, w2, weights, ids, activated, sorted_activated, out, summed)
 
     @property
     def num_experts(self) -> int:
@@ -395,11 +402,17 @@ class MoeProblem:
 
     def up(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
         top_k, inner = self.ids.shape[1], self.w2.shape[2]
-        grouped_gemm(self.x, self.w13, self.activated, alignment, None, top_k, inner, config)
+        grouped = not alignment.one_pair_tiles
+        out = self.sorted_activated if grouped else self.activated
+        rows = Rows(sorted_out=grouped)
+        grouped_gemm(self.x, self.w13, out, alignment, None, top_k, inner, config, rows)
 
     def down(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
         weights, hidden = self.weights.flatten(), self.w2.shape[1]
-        grouped_gemm(self.activated, self.w2, self.out, alignment, weights, 1, hidden, config)
+        grouped = not alignment.one_pair_tiles
+        a = self.sorted_activated if grouped else self.activated
+        rows = Rows(sorted_a=grouped)
+        grouped_gemm(a, self.w2, self.out, alignment, weights, 1, hidden, config, rows)
 
     def up_gemv(self, config: MoeGemvConfig | None = None) -> None:
         up_gemv(self.x, self.w13, self.ids.flatten(), self.activated, config)

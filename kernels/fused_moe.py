@@ -6,6 +6,9 @@ The pairs are grouped by expert and each expert's run cut into row tiles (align_
 full tiles of block_m, the rest padded to block_m or, with tail_m, to tiles of tail_m rows
 launched apart; so every row tile of the grouped GEMM belongs to one expert and reads its
 weights once; the padding rows hold a sentinel index past the last pair and are masked.
+Between the two GEMMs the activations stay in those sorted rows (gate/up writes each pair's at
+its row), so down reads a tile's rows as one block, through Hopper's TMA unit where the rows
+are 16-byte aligned (Rows).
 At a token or two each row tile takes one pair instead, with no alignment launches at all,
 and gate/up and down may run as grouped GEMVs instead (MoeTiles.up_gemv and down_gemv,
 kernels/moe_gemv.py), down then summing each token's k choices itself.
@@ -91,10 +94,20 @@ class RowTiles:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Which of a grouped GEMM's operands are indexed by sorted row rather than by pair: the
+    activations between the two GEMMs, so that down reads each tile's rows as one block."""
+
+    sorted_a: bool = False
+    sorted_out: bool = False
+
+
+@dataclass(frozen=True)
 class ExpertAlignment:
     """The (token, choice) pairs grouped by expert, each group padded to whole row tiles."""
 
     sorted_pair_ids: torch.Tensor  # int32 [max_padded]: pair index, num_pairs for padding
+    num_pairs: int  # the (token, choice) pairs: T * k
     tiles: tuple[RowTiles, ...]  # the full tiles, then (tail_m) the tails' tiles
     # each row tile holds the one pair of its index (tiles[0].experts: the flat topk ids; the
     # rest unused), so nothing is sorted: at a token or two the alignment's launches cost
@@ -106,7 +119,13 @@ def pairs_as_tiles(topk_ids: torch.Tensor) -> ExpertAlignment:
     """The alignment with one pair per row tile, launch-free; it reads each pair's expert
     separately, so it is for pairs that rarely share an expert (see uses_one_pair_tiles)."""
     flat = topk_ids.flatten()
-    return ExpertAlignment(flat, (RowTiles(16, flat, flat, flat),), one_pair_tiles=True)
+    tiles = (RowTiles(16, flat, flat, flat),)
+    return ExpertAlignment(flat, flat.numel(), tiles, one_pair_tiles=True)
+
+
+def sorted_rows(num_pairs: int, num_experts: int, pad_m: int) -> int:
+    """The rows the pairs may take grouped by expert, each expert's run padded to pad_m."""
+    return triton.cdiv(num_pairs + num_experts * (pad_m - 1), pad_m) * pad_m
 
 
 def uses_one_pair_tiles(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -127,7 +146,7 @@ def align_by_expert(
     flat = topk_ids.flatten()
     num_pairs = flat.numel()
     pad_m = tail_m or block_m
-    max_padded = triton.cdiv(num_pairs + num_experts * (pad_m - 1), pad_m) * pad_m
+    max_padded = sorted_rows(num_pairs, num_experts, pad_m)
     if tail_m:
         capacities = [
             num_pairs // block_m,
@@ -185,7 +204,7 @@ def align_by_expert(
         for i, size in enumerate(capacities)
         if size
     )
-    return ExpertAlignment(sorted_ids, tiles)
+    return ExpertAlignment(sorted_ids, num_pairs, tiles)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_padded"])
@@ -330,6 +349,9 @@ def _grouped_gemm_kernel(
     stride_wk,
     stride_om,
     ONE_PAIR_TILES: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    A_TMA: tl.constexpr,
+    OUT_SORTED: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -347,7 +369,10 @@ def _grouped_gemm_kernel(
     wrap around, discarded by the masked store); a's are predicated on the row only, so padding
     rows read nothing (see _load_rows). With
     WEIGHT_TMA, w_ptr is a descriptor of the weights viewed [E * w_rows, K] (Hopper's TMA unit
-    copies each tile, zero past K; rows past N belong to the next rows, discarded too)."""
+    copies each tile, zero past K; rows past N belong to the next rows, discarded too).
+    With A_SORTED, a's rows are the sorted rows themselves (the activations between the two
+    GEMMs, which OUT_SORTED writes so), read whole, with A_TMA through a descriptor of a: its
+    padding rows are read too, their outputs discarded by the masked store."""
     if USE_PDL:  # every read below but the weights' is the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -366,14 +391,17 @@ def _grouped_gemm_kernel(
     else:
         if pid_m >= tl.load(num_tiles_ptr):
             return
-        offs_m = tl.load(tile_rows_ptr + pid_m) + tl.arange(0, BLOCK_M)
+        tile_row = tl.load(tile_rows_ptr + pid_m)
+        offs_m = tile_row + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
         row_mask = pair < num_pairs
         pair = tl.where(row_mask, pair, 0)
     expert = tl.load(tile_experts_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + (pair // rows_per_a)[:, None] * stride_am
+    a_index = offs_m.to(tl.int64) if A_SORTED else pair // rows_per_a
+    if not A_TMA:
+        a_rows = a_ptr + a_index[:, None] * stride_am
     if WEIGHT_TMA:
         w_row = (expert * w_rows + pid_n * BLOCK_N).to(tl.int32)
     else:
@@ -383,7 +411,10 @@ def _grouped_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        a = _load_rows(a_rows + k[None, :], row_mask[:, None], (k < K)[None, :], EVEN_K)
+        if A_TMA:
+            a = a_ptr.load([tile_row, k0])
+        else:
+            a = _load_rows(a_rows + k[None, :], row_mask[:, None], (k < K)[None, :], EVEN_K)
         if WEIGHT_TMA:
             w = w_ptr.load([w_row, k0]).T
         else:
@@ -401,7 +432,10 @@ def _grouped_gemm_kernel(
     if MUL_ROUTED_WEIGHT:
         routed = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
         acc = acc * routed[:, None]
-    out = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
+    if OUT_SORTED:
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    else:
+        out = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n < N)[None, :])
 
 
@@ -428,18 +462,20 @@ def grouped_gemm(
     rows_per_a: int,
     n: int,
     config: MoeTileConfig,
+    rows: Rows = Rows(),
 ) -> None:
     """One of fused_experts' two GEMMs: out [pairs, n] from a's rows (pair // rows_per_a) and
     w [E, n or 2n, K]; w of 2n rows: silu(gate) * up; with topk_weights, times each pair's.
+    rows says where a's and out's rows are the sorted rows instead (sorted_rows: how many).
     One launch for each list of row tiles."""
     for tiles in alignment.tiles:
         if alignment.one_pair_tiles or tiles.height == config.block_m:
-            _launch_gemm(a, w, out, alignment, tiles, topk_weights, rows_per_a, n, config)
+            launch = config
         else:  # tails: of 16-64 rows, one warpgroup's MMA
-            tail = dataclasses.replace(
+            launch = dataclasses.replace(
                 config, block_m=tiles.height, num_warps=min(config.num_warps, 4)
             )
-            _launch_gemm(a, w, out, alignment, tiles, topk_weights, rows_per_a, n, tail)
+        _launch_gemm(a, w, out, alignment, tiles, topk_weights, rows_per_a, n, launch, rows)
 
 
 def _launch_gemm(
@@ -452,18 +488,21 @@ def _launch_gemm(
     rows_per_a: int,
     n: int,
     config: MoeTileConfig,
+    rows: Rows,
 ) -> None:
-    num_pairs = out.shape[0]
     silu_and_mul = w.shape[1] == 2 * n
     k = w.shape[2]
+    block_m = 16 if alignment.one_pair_tiles else config.block_m
     grid = (tiles.experts.numel() * triton.cdiv(n, config.block_n),)
     pdl = uses_pdl(a.device)
     if config.weight_tma:
         w_arg = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k])
     else:
         w_arg = w
+    a_tma = rows.sorted_a and tma_fits(a)
+    a_arg = TensorDescriptor.from_tensor(a, [block_m, config.block_k]) if a_tma else a
     _grouped_gemm_kernel[grid](
-        a,
+        a_arg,
         w_arg,
         out,
         alignment.sorted_pair_ids,
@@ -471,7 +510,7 @@ def _launch_gemm(
         tiles.experts,
         tiles.count,
         topk_weights if topk_weights is not None else out,
-        num_pairs,
+        alignment.num_pairs,
         rows_per_a,
         config.group_m,
         n,
@@ -483,11 +522,14 @@ def _launch_gemm(
         w.stride(2),
         out.stride(0),
         ONE_PAIR_TILES=alignment.one_pair_tiles,
+        A_SORTED=rows.sorted_a,
+        A_TMA=a_tma,
+        OUT_SORTED=rows.sorted_out,
         SILU_AND_MUL=silu_and_mul,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0,
         WEIGHT_TMA=config.weight_tma,
-        BLOCK_M=16 if alignment.one_pair_tiles else config.block_m,
+        BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         PRECISION=dot_precision(a.dtype),
@@ -496,6 +538,13 @@ def _launch_gemm(
         num_stages=_stages_that_fit(config, a.element_size(), silu_and_mul, a.device),
         launch_pdl=pdl,
     )
+
+
+def tma_fits(t: torch.Tensor) -> bool:
+    """Whether Hopper's TMA unit can copy tiles of t's rows: its rows contiguous and, with its
+    start, 16-byte aligned."""
+    aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+    return t.dim() == 2 and t.stride(1) == 1 and aligned
 
 
 def _stages_that_fit(
@@ -534,18 +583,26 @@ def fused_experts(
     if num_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     alignment = align_for(topk_ids, tiles.up.block_m, num_experts, tiles.tail_m)
-    activated = torch.empty(num_tokens * top_k, inner, dtype=x.dtype, device=x.device)
+    # grouped, the activations are kept in the sorted rows, so down reads a tile as one block
+    grouped = not alignment.one_pair_tiles
+    rows = alignment.sorted_pair_ids.numel() if grouped else alignment.num_pairs
+    activated = torch.empty(rows, inner, dtype=x.dtype, device=x.device)
     if alignment.one_pair_tiles and tiles.up_gemv:
         up_gemv(x, w13, topk_ids.flatten(), activated)
     else:
-        grouped_gemm(x, w13, activated, alignment, None, top_k, inner, tiles.up)
+        grouped_gemm(
+            x, w13, activated, alignment, None, top_k, inner, tiles.up, Rows(sorted_out=grouped)
+        )
     weights = topk_weights.flatten()  # a view: the kernel reads it in fp32
     if alignment.one_pair_tiles and tiles.down_gemv:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
         summed_down_gemv(activated, w2, out, topk_ids.flatten(), weights)
         return out
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)
-    grouped_gemm(activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, tiles.down)
+    down_rows = Rows(sorted_a=grouped)
+    grouped_gemm(
+        activated, w2, out.view(-1, hidden), alignment, weights, 1, hidden, tiles.down, down_rows
+    )
     return top_k_sum(out)
 
 

@@ -21,6 +21,7 @@ from kernels.fused_moe import (
     fused_experts,
     tiles_from_json,
     tiles_to_json,
+    tma_fits,
     top_k_sum,
     uses_one_pair_tiles,
 )
@@ -54,8 +55,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    num_experts, hidden, inner = SHAPE
+def weights(dtype: torch.dtype, shape=SHAPE) -> tuple[torch.Tensor, torch.Tensor]:
+    num_experts, hidden, inner = shape
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen, device=DEVICE) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inner, generator=gen, device=DEVICE) / inner**0.5
@@ -113,6 +114,22 @@ def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) ->
     out = fused_experts(x, w13, w2, topk_weights, topk_ids, config)
     ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert out.shape == ref.shape and out.dtype == dtype
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("inner", [SHAPE[2], SHAPE[2] - 2])
+def test_down_reads_the_sorted_activations_through_tma_or_pointers(inner: int) -> None:
+    """Gate/up writes each pair's activations at its sorted row, padding rows left unwritten;
+    down reads a tile's rows whole through a TMA descriptor, or by pointers where the rows are
+    not 16-byte aligned (inner - 2 fp32 or bf16 values)."""
+    dtype = DTYPES[-1]
+    assert tma_fits(torch.empty(2, inner, dtype=dtype)) == (inner == SHAPE[2])
+    shape = (SHAPE[0], SHAPE[1], inner)
+    w13, w2 = weights(dtype, shape)
+    topk_weights, topk_ids = routing(ROUTINGS["one_expert_past_two_blocks"])
+    x = torch.randn(topk_ids.shape[0], SHAPE[1], device=DEVICE).to(dtype)
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, MoeTiles.same(SMALL_TILES))
+    ref = torch_experts(x, w13, w2, topk_weights, topk_ids)
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
