@@ -7,10 +7,10 @@ For each batch size: for each alignment that fits the experts' runs (block_m, wi
 tails of tail_m rows), the alignment, the gate/up GEMM under each of its candidate tiles and
 the down GEMM under each of its own, all CUDA-graph replayed. The alignment whose align + up +
 down is least wins; its best few tiles of each GEMM are timed again under other GROUP_M orders
-and with the weights read through TMA descriptors. Then the whole fused_experts is timed with
-the winner, with the table it replaces (before), with the default rule and, at one pair a tile
-(a token or two), with the winner's gate/up, down or both as grouped GEMVs (MoeTiles.up_gemv,
-down_gemv), in one process, and the table keeps the fastest. The table file is rewritten after
+and with the weights read through TMA descriptors (down also by its persistent kernel). Then
+the whole fused_experts is timed with the winner, with the table it replaces (before), with the
+default rule and, at one pair a tile (a token or two), with the winner's gate/up, down or both
+as grouped GEMVs (MoeTiles.up_gemv, down_gemv), in one process, and the table keeps the fastest. The table file is rewritten after
 every size, so a run cut short keeps what it found.
 
 The candidates compile first, in a pool of processes (Triton's disk cache then serves the
@@ -194,19 +194,24 @@ def tune_size(problem: MoeProblem, num_experts: int) -> dict:
     best = min(options.values(), key=lambda o: o["total_s"])
     if not best["alignment"].one_pair_tiles:
         best["up"] = _refined(problem.up, best["alignment"], best["up"])
-        best["down"] = _refined(problem.down, best["alignment"], best["down"])
+        best["down"] = _refined(problem.down, best["alignment"], best["down"], persistent=True)
     up, down = best["up"][0][1], best["down"][0][1]
     tiles = MoeTiles(up, down, best["tail_m"])
     return {"tiles": tiles, "options": {name: _summary(o) for name, o in options.items()}}
 
 
-def _refined(gemm, alignment, timed: list) -> list[tuple[float, MoeTileConfig]]:
-    """The best RETIMED again under each GROUP_ORDERS, and with their weights through TMA."""
+def _refined(
+    gemm, alignment, timed: list, persistent: bool = False
+) -> list[tuple[float, MoeTileConfig]]:
+    """The best RETIMED again under each GROUP_ORDERS, and with their weights through TMA
+    (with persistent, down's, also as the persistent kernel)."""
     configs = []
     for _, config in timed[:RETIMED]:
         configs += [dataclasses.replace(config, group_m=g) for g in GROUP_ORDERS]
         if tma_fits(config):
             configs.append(dataclasses.replace(config, weight_tma=True))
+            if persistent:
+                configs.append(dataclasses.replace(config, weight_tma=True, persistent=True))
     return sorted(timed + timed_tiles(gemm, alignment, configs), key=lambda t: t[0])
 
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._common import dot_precision, next_pow2, uses_pdl
+from kernels._common import dot_precision, next_pow2, num_sms, uses_pdl
 from kernels.moe_gemv import summed_down_gemv, up_gemv
 
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
@@ -54,6 +54,8 @@ class MoeTileConfig:
     num_warps: int
     num_stages: int
     weight_tma: bool = False  # weight tiles through Hopper's TMA unit (a host descriptor)
+    # down over the sorted rows, both operands through TMA: a program per SM walking the tiles
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -439,6 +441,73 @@ def _grouped_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit(do_not_specialize=["num_pairs"])
+def _persistent_down_kernel(
+    a_desc,
+    w_desc,
+    out_ptr,
+    sorted_pair_ids_ptr,
+    tile_rows_ptr,
+    tile_experts_ptr,
+    num_tiles_ptr,
+    topk_weights_ptr,
+    num_pairs,
+    N,
+    K,
+    w_rows,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """down as _grouped_gemm_kernel with A_SORTED, A_TMA and WEIGHT_TMA, each program walking
+    tiles num_programs apart: the loops flattened, so that the compiler's pipeline loads a
+    tile's first K steps during the epilogue of the one before (K, the inner size, is a few
+    steps: 12 of 64 for Qwen3-30B-A3B)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr) * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        pid_m = tile // num_pid_n
+        tile_row, pair, row_mask = _tile_pairs(
+            tile_rows_ptr, sorted_pair_ids_ptr, pid_m, num_pairs, BLOCK_M
+        )
+        expert = tl.load(tile_experts_ptr + pid_m)
+        w_row = (expert * w_rows + (tile % num_pid_n) * BLOCK_N).to(tl.int32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w = w_desc.load([w_row, k0]).T
+            acc = tl.dot(a_desc.load([tile_row, k0]), w, acc, input_precision=PRECISION)
+        acc = _times_routed_weights(acc, topk_weights_ptr, pair, row_mask)
+        offs_n = (tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store_rows(out_ptr, acc, pair, row_mask, offs_n, N, stride_om)
+
+
+@triton.jit
+def _tile_pairs(tile_rows_ptr, sorted_pair_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Row tile pid_m's first sorted row, its rows' pairs (0 on padding) and which hold one."""
+    tile_row = tl.load(tile_rows_ptr + pid_m)
+    pair = tl.load(sorted_pair_ids_ptr + tile_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = pair < num_pairs
+    return tile_row, tl.where(row_mask, pair, 0), row_mask
+
+
+@triton.jit
+def _times_routed_weights(acc, topk_weights_ptr, pair, row_mask):
+    routed = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)
+    return acc * routed[:, None]
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, rows, row_mask, offs_n, N, stride_om):
+    out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n < N)[None, :])
+
+
 @triton.jit
 def _load_k_tile(ptrs, k_mask, EVEN_K: tl.constexpr):
     return tl.load(ptrs) if EVEN_K else tl.load(ptrs, mask=k_mask, other=0.0)
@@ -494,12 +563,15 @@ def _launch_gemm(
     k = w.shape[2]
     block_m = 16 if alignment.one_pair_tiles else config.block_m
     grid = (tiles.experts.numel() * triton.cdiv(n, config.block_n),)
+    a_tma = rows.sorted_a and tma_fits(a)
+    if config.persistent and a_tma and config.weight_tma and topk_weights is not None:
+        _launch_persistent_down(a, w, out, alignment, tiles, topk_weights, n, config)
+        return
     pdl = uses_pdl(a.device)
     if config.weight_tma:
         w_arg = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k])
     else:
         w_arg = w
-    a_tma = rows.sorted_a and tma_fits(a)
     a_arg = TensorDescriptor.from_tensor(a, [block_m, config.block_k]) if a_tma else a
     _grouped_gemm_kernel[grid](
         a_arg,
@@ -536,6 +608,44 @@ def _launch_gemm(
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=_stages_that_fit(config, a.element_size(), silu_and_mul, a.device),
+        launch_pdl=pdl,
+    )
+
+
+def _launch_persistent_down(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    alignment: ExpertAlignment,
+    tiles: RowTiles,
+    topk_weights: torch.Tensor,
+    n: int,
+    config: MoeTileConfig,
+) -> None:
+    k = w.shape[2]
+    programs = min(tiles.experts.numel() * triton.cdiv(n, config.block_n), num_sms(a.device))
+    pdl = uses_pdl(a.device)
+    _persistent_down_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [config.block_m, config.block_k]),
+        TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k]),
+        out,
+        alignment.sorted_pair_ids,
+        tiles.rows,
+        tiles.experts,
+        tiles.count,
+        topk_weights,
+        alignment.num_pairs,
+        n,
+        k,
+        w.shape[1],
+        out.stride(0),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        PRECISION=dot_precision(a.dtype),
+        USE_PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=_stages_that_fit(config, a.element_size(), False, a.device),
         launch_pdl=pdl,
     )
 

@@ -45,6 +45,11 @@ TMA_TILES = MoeTiles(
     MoeTileConfig(32, 32, 32, 1, 4, 2, weight_tma=True),
     16,
 )
+# down over the sorted rows by a program per SM (8 under the interpreter), each walking tiles
+PERSISTENT_TILES = MoeTiles(
+    MoeTileConfig(16, 16, 16, 2, 4, 1),
+    MoeTileConfig(16, 16, 16, 1, 4, 2, weight_tma=True, persistent=True),
+)
 # at one pair a tile gate/up as grouped GEMVs (the other routings ignore it)
 GEMV_TILES = MoeTiles(SMALL_TILES, SMALL_TILES, up_gemv=True)
 # at one pair a tile down as grouped GEMVs summing each token's choices, with gate/up's GEMM
@@ -87,7 +92,7 @@ ROUTINGS = {
 # every tiling in fp32 under the interpreter; on a GPU, where each one compiles, the tuned
 # tables' bf16 with all but mixed (tailed and tma have tiles of their own per GEMM too) and
 # fp32 with the default's
-TILINGS = ["small", "mixed", "tailed", "tma", "gemv", "down_gemv", "default"]
+TILINGS = ["small", "mixed", "tailed", "tma", "persistent", "gemv", "down_gemv", "default"]
 TILINGS_BY_DTYPE = [
     (tiles, dtype)
     for tiles in TILINGS
@@ -107,6 +112,7 @@ def test_fused_experts_match_torch(name: str, tiles: str, dtype: torch.dtype) ->
         "mixed": MIXED_TILES,
         "tailed": TAILED_TILES,
         "tma": TMA_TILES,
+        "persistent": PERSISTENT_TILES,
         "gemv": GEMV_TILES,
         "down_gemv": DOWN_GEMV_TILES,
         "default": MoeTiles.same(default_tile_config(x.shape[0])),
