@@ -487,6 +487,8 @@ def _persistent_down_kernel(
         _store_rows(out_ptr, acc, pair, row_mask, offs_n, N, stride_om)
 
 
+# The persistent kernel's pieces. _grouped_gemm_kernel keeps the same lines inline: built on
+# these helpers, its gate/up compiled 7% slower on the H200 (bench/NOTES.md, session 41)
 @triton.jit
 def _tile_pairs(tile_rows_ptr, sorted_pair_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """Row tile pid_m's first sorted row, its rows' pairs (0 on padding) and which hold one."""
