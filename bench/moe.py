@@ -403,6 +403,7 @@ class MoeProblem:
     def up(self, alignment: ExpertAlignment, config: MoeTileConfig) -> None:
         top_k, inner = self.ids.shape[1], self.w2.shape[2]
         grouped = not alignment.one_pair_tiles
+        assert alignment.sorted_pair_ids.numel() <= self.sorted_activated.shape[0], "MAX_BLOCK_M"
         out = self.sorted_activated if grouped else self.activated
         rows = Rows(sorted_out=grouped)
         grouped_gemm(self.x, self.w13, out, alignment, None, top_k, inner, config, rows)
