@@ -10,8 +10,8 @@ down is least wins; its best few tiles of each GEMM are timed again under other 
 and with the weights read through TMA descriptors (down also by its persistent kernel). Then
 the whole fused_experts is timed with the winner, with the table it replaces (before), with the
 default rule and, at one pair a tile (a token or two), with the winner's gate/up, down or both
-as grouped GEMVs (MoeTiles.up_gemv, down_gemv), in one process, and the table keeps the fastest. The table file is rewritten after
-every size, so a run cut short keeps what it found.
+as grouped GEMVs (MoeTiles.up_gemv, down_gemv), in one process, and the table keeps the
+fastest. The table file is rewritten after every size, so a run cut short keeps what it found.
 
 The candidates compile first, in a pool of processes (Triton's disk cache then serves the
 sweep): a config compiles once for all shapes and sizes, its integers being unspecialized.

@@ -472,18 +472,18 @@ def _persistent_down_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr) * num_pid_n
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-        pid_m = tile // num_pid_n
+        pid_m, pid_n = tile // num_pid_n, tile % num_pid_n
         tile_row, pair, row_mask = _tile_pairs(
             tile_rows_ptr, sorted_pair_ids_ptr, pid_m, num_pairs, BLOCK_M
         )
         expert = tl.load(tile_experts_ptr + pid_m)
-        w_row = (expert * w_rows + (tile % num_pid_n) * BLOCK_N).to(tl.int32)
+        w_row = (expert * w_rows + pid_n * BLOCK_N).to(tl.int32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w = w_desc.load([w_row, k0]).T
             acc = tl.dot(a_desc.load([tile_row, k0]), w, acc, input_precision=PRECISION)
         acc = _times_routed_weights(acc, topk_weights_ptr, pair, row_mask)
-        offs_n = (tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _store_rows(out_ptr, acc, pair, row_mask, offs_n, N, stride_om)
 
 
@@ -561,14 +561,14 @@ def _launch_gemm(
     config: MoeTileConfig,
     rows: Rows,
 ) -> None:
-    silu_and_mul = w.shape[1] == 2 * n
-    k = w.shape[2]
-    block_m = 16 if alignment.one_pair_tiles else config.block_m
-    grid = (tiles.experts.numel() * triton.cdiv(n, config.block_n),)
     a_tma = rows.sorted_a and tma_fits(a)
     if config.persistent and a_tma and config.weight_tma and topk_weights is not None:
         _launch_persistent_down(a, w, out, alignment, tiles, topk_weights, n, config)
         return
+    silu_and_mul = w.shape[1] == 2 * n
+    k = w.shape[2]
+    block_m = 16 if alignment.one_pair_tiles else config.block_m
+    grid = (tiles.experts.numel() * triton.cdiv(n, config.block_n),)
     pdl = uses_pdl(a.device)
     if config.weight_tma:
         w_arg = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k])
