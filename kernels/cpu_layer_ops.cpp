@@ -2,7 +2,7 @@
 // kernels do them on a GPU (the norm, the rotary, the KV cache write): at a decode step's 17 rows torch's versions of these ran 10-50 us of
 // a layer in small ops (the rotary's index, chunks, multiplies and cat for q and for k), each a
 // pass over memory and a dispatch (bench/NOTES.md). And the bf16 mode's SiLU-and-mul, bf16 in
-// and out (float32 inside).
+// and out (float32 inside), and its norm over a bf16 x.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,35 +18,61 @@ namespace {
 // a decode step's rows (microseconds of work) in the calling thread, a prompt's split over threads
 constexpr int64_t kRowsPerTask = 64;
 
-// residual += x; x = residual / rms(residual) * weight, row by row.
+// x's elements read as float32 and written back: float32 as is, bfloat16 through c10's bit
+// conversions (round to nearest even, as .to() rounds), which GCC vectorizes
+inline float widened(float value) { return value; }
+inline float widened(uint16_t bits) { return c10::detail::f32_from_bits(bits); }
+inline float rounded(float value, float /*tag*/) { return value; }
+inline uint16_t rounded(float value, uint16_t /*tag*/) {
+  return c10::detail::round_to_nearest_even(value);
+}
+
+// One copy of the reduction for both of x's types, so that its order (which vectorizing
+// chooses) and with it the norm do not depend on x's type.
+__attribute__((noinline)) float sum_of_squares(const float* values, int64_t count) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < count; ++i) squares += values[i] * values[i];
+  return squares;
+}
+
+// residual += x; x = residual / rms(residual) * weight, row by row, the sums in float32.
+template <typename T>
+void add_rms_norm_rows(T* xs, float* rs, const float* w, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xs + r * hidden;
+      float* rr = rs + r * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) rr[i] += widened(xr[i]);
+      const float inverse_rms = 1.f / std::sqrt(sum_of_squares(rr, hidden) / hidden + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) xr[i] = rounded(rr[i] * inverse_rms * w[i], T{});
+    }
+  });
+}
+
+// x float32, or bfloat16 (the bf16 mode's GEMM outputs: the normed x comes back in bf16, the
+// next GEMM's input, so neither way needs a cast); residual and weight float32.
 void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                         double eps) {
   for (const at::Tensor* t : {&x, &residual, &weight})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "fused_add_rms_norm: contiguous float32 CPU tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() &&
+                    (t->scalar_type() == at::kFloat ||
+                     (t == &x && t->scalar_type() == at::kBFloat16)),
+                "fused_add_rms_norm: contiguous CPU tensors, float32 (x bfloat16 too)");
   TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && weight.dim() == 1 &&
                   weight.size(0) == x.size(1),
               "fused_add_rms_norm: x and residual [rows, hidden], weight [hidden]");
-  const int64_t hidden = x.size(1);
-  float* xs = x.mutable_data_ptr<float>();
   float* rs = residual.mutable_data_ptr<float>();
   const float* w = weight.const_data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = xs + r * hidden;
-      float* rr = rs + r * hidden;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float sum = xr[i] + rr[i];
-        rr[i] = sum;
-        squares += sum * sum;
-      }
-      const float inverse_rms = 1.f / std::sqrt(squares / hidden + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) xr[i] = rr[i] * inverse_rms * w[i];
-    }
-  });
+  const auto e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kBFloat16) {
+    auto* xs = reinterpret_cast<uint16_t*>(x.mutable_data_ptr<c10::BFloat16>());
+    add_rms_norm_rows(xs, rs, w, x.size(0), x.size(1), e);
+  } else {
+    add_rms_norm_rows(x.mutable_data_ptr<float>(), rs, w, x.size(0), x.size(1), e);
+  }
 }
 
 // Each head of x [tokens, heads, head_dim] (rows may be strided) rotated by its token's angles:
@@ -188,10 +214,8 @@ at::Tensor silu_and_mul_bf16(const at::Tensor& x) {
       uint16_t* row = to + r * inner;
 #pragma omp simd
       for (int64_t i = 0; i < inner; ++i) {
-        // c10's bit conversions (round to nearest even), which GCC vectorizes here
-        const float g = c10::detail::f32_from_bits(gate[i]);
-        const float product = g / (1.f + vector_exp(-g)) * c10::detail::f32_from_bits(up[i]);
-        row[i] = c10::detail::round_to_nearest_even(product);
+        const float g = widened(gate[i]);
+        row[i] = rounded(g / (1.f + vector_exp(-g)) * widened(up[i]), uint16_t{});
       }
     }
   });

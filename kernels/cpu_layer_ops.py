@@ -1,6 +1,6 @@
 """A decoder layer's per-token ops on CPU (kernels/cpu_layer_ops.cpp): in place in float32 the
-residual add with the RMSNorm, the rotary embedding of q and k, and the KV cache write; and the
-bf16 mode's SiLU-and-mul, bfloat16 in and out."""
+residual add with the RMSNorm (x in bfloat16 too), the rotary embedding of q and k, and the KV
+cache write; and the bf16 mode's SiLU-and-mul, bfloat16 in and out."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def cpu_layer_ops_available() -> bool:
 def fused_add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), IN PLACE: x holds the first, residual the second."""
+    """(rms_norm(x + residual), x + residual), IN PLACE: x holds the first, residual the second.
+    residual and weight float32; x float32, or bfloat16 (computed in float32, rounded into x)."""
     torch.ops.asyncllm_cpu_layer.fused_add_rms_norm(x, residual, weight, eps)
     return x, residual
 

@@ -35,6 +35,24 @@ def test_fused_add_rms_norm_matches_torch_in_place(rows: int, hidden: int) -> No
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, hidden", [(1, 7), (17, 576), (4000, 576)])
+def test_fused_add_rms_norm_takes_a_bf16_x_and_rounds_its_output_into_it(
+    rows: int, hidden: int
+) -> None:
+    """The bf16 mode's GEMM output as x: the sum and the norm in float32, exactly as for its
+    float32 copy (4,000 rows: one reduction order for both types), the normed rows rounded back
+    into x as .to(bfloat16) rounds them."""
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    residual, weight = torch.randn(rows, hidden, generator=gen), torch.randn(hidden, generator=gen)
+    x32, residual32 = x.float(), residual.clone()
+    fused_add_rms_norm_cpu(x32, residual32, weight, 1e-5)
+    out, summed = fused_add_rms_norm_cpu(x, residual, weight, 1e-5)
+    assert out.data_ptr() == x.data_ptr() and out.dtype == torch.bfloat16
+    assert torch.equal(summed, residual32)
+    assert torch.equal(out, x32.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotary_matches_torch_on_qkv_slices_in_place(head_dim: int) -> None:
     num_tokens, num_heads, num_kv_heads = 20, 9, 3

@@ -84,6 +84,29 @@ def test_bfloat16_on_cpu_agrees_with_float32(default_model_dir, text_ids, refere
     assert share >= 0.98
 
 
+def test_bfloat16_on_cpu_keeps_o_proj_and_down_outputs_in_bf16_with_equal_logits(
+    default_model_dir, text_ids
+) -> None:
+    """o_proj's and down_proj's bf16 GEMM outputs go into the fused add-norms as they are,
+    whose bf16 outputs are the next GEMM's input: the same logits, bit for bit, as with each
+    output widened to float32 and the norm's output rounded to bf16 by the next GEMM."""
+    model = load_ours(default_model_dir, dtype="bfloat16")
+    ids = text_ids[:48]
+    outputs = []
+    hook = model.layers[3].self_attn.o_proj.register_forward_hook(
+        lambda module, args, out: outputs.append(out.dtype)
+    )
+    kept = our_logits(model, ids, torch.bfloat16)
+    linears = [m for layer in model.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    assert all(linear.keeps_weight_dtype for linear in linears)
+    for linear in linears:
+        linear.keeps_weight_dtype = False
+    widened = our_logits(model, ids, torch.bfloat16)
+    hook.remove()
+    assert outputs == [torch.bfloat16, torch.float32]
+    assert kept.dtype == torch.float32 and torch.equal(kept, widened)
+
+
 def test_int8_at_load_writes_text(default_model_dir) -> None:
     llm = LLM(model=str(default_model_dir), device="cpu", quantization="int8")
     params = SamplingParams(temperature=0.0, max_tokens=12)

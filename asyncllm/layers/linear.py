@@ -97,7 +97,8 @@ class LinearBase(nn.Module):
     what bias it adds and how the ranks' outputs combine."""
 
     # True where the consumer reads the output in a packed CPU weight's own dtype (the bf16
-    # mode's gate_up, into silu_and_mul): no float32 copy of it is made
+    # mode's gate_up, into silu_and_mul; o_proj and down_proj, into the fused add-norms): no
+    # float32 copy of it is made
     keeps_weight_dtype = False
 
     def __init__(

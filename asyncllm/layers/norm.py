@@ -28,7 +28,8 @@ def fused_add_rms_norm(
 def _cpu_op_fits(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu"
-        and x.dtype == residual.dtype == weight.dtype == torch.float32
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and residual.dtype == weight.dtype == torch.float32
         and x.dim() == 2
         and x.is_contiguous()
         and residual.is_contiguous()
@@ -46,7 +47,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """On CUDA the Triton kernels; the fused one works in place on x and residual, as does
-        the C++ op for float32 on CPU."""
+        the C++ op on CPU (a float32 residual; x float32, or the bf16 mode's bf16 GEMM output,
+        normed in float32 and rounded back into it)."""
         if residual is None:
             norm = kernels.rms_norm if x.is_cuda else rms_norm
             return norm(x, self.weight, self.eps)

@@ -174,6 +174,15 @@ class MLP(nn.Module):
         return self.down(self.gate_up_proj(x))
 
 
+def keeps_bf16_outputs(o_proj: RowParallelLinear, down_proj: RowParallelLinear) -> None:
+    """The bf16 CPU mode: a dense layer's o_proj and down_proj outputs stay in their GEMMs'
+    bf16, read only by the fused add-norms, whose outputs come back in bf16 for the next GEMM
+    (bench/NOTES.md, session 42): the same values without four casts a layer. Not where the
+    ranks' outputs are summed: an all-reduce in bf16 would round their sum."""
+    for linear in (o_proj, down_proj):
+        linear.keeps_weight_dtype = linear.tp_size == 1
+
+
 class DecoderLayer(PiecewiseDecoderLayer):
     def __init__(
         self,
@@ -191,6 +200,7 @@ class DecoderLayer(PiecewiseDecoderLayer):
         )
         if mlp is None:
             mlp = MLP(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
+            keeps_bf16_outputs(self.self_attn.o_proj, mlp.down_proj)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -301,7 +311,9 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, residual)[0]
+        # the bf16 CPU mode's last down_proj output is bf16 (keeps_bf16_outputs); the final
+        # hidden states stay in the residual's float32, as the drafters read them
+        return self.norm(x.to(residual.dtype), residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler widens them only when it needs to."""
