@@ -1,5 +1,5 @@
-"""Paged decode attention for CPU tensors: a C++ kernel that reads the KV blocks in place, built
-on first use (kernels/cpu_extension.py)."""
+"""Paged decode and prompt attention for CPU tensors: C++ kernels that read the KV blocks in place,
+built on first use (kernels/cpu_extension.py)."""
 
 from __future__ import annotations
 
@@ -31,5 +31,23 @@ def paged_decode_attention_cpu(
     """Row r of query attends to the first seq_lens[r] positions of request r's blocks."""
     torch.ops.asyncllm_cpu.paged_decode_attention(
         query, kv_cache, block_tables, seq_lens, scale, out
+    )
+    return out
+
+
+def paged_prefill_attention_cpu(
+    query: torch.Tensor,  # float32 [num_rows, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # float32 or bf16 [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [num_reqs], including the query rows
+    query_starts: torch.Tensor,  # int32 [num_reqs]: each request's first query row
+    query_lens: torch.Tensor,  # int32 [num_reqs]: its query rows, the last of its positions
+    scale: float,
+    out: torch.Tensor,  # like query; rows of no request are left alone
+) -> torch.Tensor:
+    """Query row query_starts[r] + i attends causally to positions 0 .. seq_lens[r] -
+    query_lens[r] + i of request r's blocks."""
+    torch.ops.asyncllm_cpu.paged_prefill_attention(
+        query, kv_cache, block_tables, seq_lens, query_starts, query_lens, scale, out
     )
     return out

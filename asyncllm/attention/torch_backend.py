@@ -1,7 +1,7 @@
 """Paged attention in plain torch: the CPU path and the reference for the Triton kernels.
 
-On CPU, decode rows go to a C++ kernel that reads the KV blocks in place
-(kernels/cpu_decode_attention.py); the torch paths below stay as its fallback and reference."""
+On CPU, decode rows and float32 prompt rows go to C++ kernels that read the KV blocks in place
+(kernels/cpu_decode_attention.py); the torch paths below stay as their fallback and reference."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from kernels.cpu_decode_attention import (
     HEAD_DIM_MULTIPLE,
     cpu_decode_attention_available,
     paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
 )
 from kernels.cpu_layer_ops import cpu_layer_ops_available, write_kv_cache_cpu
 
@@ -193,6 +194,32 @@ def decode_rows(meta: AttentionMetadata) -> DecodeRows:
     )
 
 
+@dataclass
+class PromptRows:
+    """The longer-query requests of a step, for the prompt kernel."""
+
+    requests: set[int]
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_starts: torch.Tensor  # int32: each request's first query row
+    query_lens: torch.Tensor  # int32
+
+
+def prompt_rows(meta: AttentionMetadata) -> PromptRows:
+    lens = meta.query_lens_cpu
+    requests = [r for r, n in enumerate(lens) if n > MAX_QUERY_AS_DECODES]
+    starts = [0, *itertools.accumulate(lens)]
+    device = meta.block_tables.device
+    index = torch.tensor(requests, dtype=torch.int64, device=device)
+    return PromptRows(
+        requests=set(requests),
+        block_tables=meta.block_tables.index_select(0, index),
+        seq_lens=meta.seq_lens.index_select(0, index),
+        query_starts=torch.tensor([starts[r] for r in requests], dtype=torch.int32, device=device),
+        query_lens=torch.tensor([lens[r] for r in requests], dtype=torch.int32, device=device),
+    )
+
+
 class TorchAttentionBackend:
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         """use_cpu_kernel=False keeps every step on the torch paths (the reference)."""
@@ -261,22 +288,34 @@ class TorchAttentionBackend:
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """Prompt rows one request at a time; the rows of short queries together in the kernel
-        when it runs."""
-        decodes = (
-            self._per_step(meta, "decode_rows", decode_rows)
-            if self._kernel_runs(query, kv_cache)
-            else None
-        )
+        """When the kernels run, the rows of short queries together in the decode kernel and, for
+        a float32 query, the longer ones in the prompt kernel; else (and a bf16 query's prompt
+        rows) one request at a time on torch."""
+        kernel_runs = self._kernel_runs(query, kv_cache)
+        decodes = self._per_step(meta, "decode_rows", decode_rows) if kernel_runs else None
         if decodes is not None and len(decodes.requests) == meta.num_reqs:
             # a verify step: every query row is a decode row, in order (decode_rows' rows are
             # 0 .. n - 1), so the kernel reads query and writes out in place
             return paged_decode_attention_cpu(
                 query, kv_cache, decodes.block_tables, decodes.seq_lens, scale, out
             )
+        on_kernels: set[int] = set() if decodes is None else decodes.requests
+        if kernel_runs and query.dtype == torch.float32:
+            prompts = self._per_step(meta, "prompt_rows", prompt_rows)
+            paged_prefill_attention_cpu(
+                query,
+                kv_cache,
+                prompts.block_tables,
+                prompts.seq_lens,
+                prompts.query_starts,
+                prompts.query_lens,
+                scale,
+                out,
+            )
+            on_kernels = on_kernels | prompts.requests
         start = 0
         for r, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if decodes is None or r not in decodes.requests:
+            if r not in on_kernels:
                 k, v = (
                     t.to(query.dtype) for t in gather_kv(kv_cache, meta.block_tables[r], seq_len)
                 )
