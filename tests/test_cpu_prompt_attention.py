@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cpu_decode_attention import NUM_KV_HEADS, paged_cache
+from test_cpu_decode_attention import NUM_KV_HEADS, paged_cache, step
 
-from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.torch_backend import TorchAttentionBackend, gather_kv
 from kernels.cpu_decode_attention import (
     cpu_decode_attention_available,
@@ -154,22 +153,6 @@ def test_kernel_rejects_a_query_longer_than_its_context() -> None:
     query = torch.randn(8, 2, 64, generator=gen)
     with pytest.raises(RuntimeError, match="query_lens"):
         kernel_out(query, kv_cache, tables, [8], [7], 0.125)
-
-
-def step(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-    )
 
 
 @pytest.mark.parametrize(
