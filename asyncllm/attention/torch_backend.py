@@ -300,8 +300,12 @@ class TorchAttentionBackend:
                 query, kv_cache, decodes.block_tables, decodes.seq_lens, scale, out
             )
         on_kernels: set[int] = set() if decodes is None else decodes.requests
-        if kernel_runs and query.dtype == torch.float32:
-            prompts = self._per_step(meta, "prompt_rows", prompt_rows)
+        prompts = (
+            self._per_step(meta, "prompt_rows", prompt_rows)
+            if kernel_runs and query.dtype == torch.float32
+            else None
+        )
+        if prompts is not None and prompts.requests:
             paged_prefill_attention_cpu(
                 query,
                 kv_cache,
