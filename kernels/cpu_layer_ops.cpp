@@ -2,13 +2,14 @@
 // kernels do them on a GPU (the norm, the rotary, the KV cache write): at a decode step's 17 rows torch's versions of these ran 10-50 us of
 // a layer in small ops (the rotary's index, chunks, multiplies and cat for q and for k), each a
 // pass over memory and a dispatch (bench/NOTES.md). And the bf16 mode's SiLU-and-mul, bf16 in
-// and out (float32 inside), and its norm over a bf16 x.
+// and out (float32 inside), its norm over a bf16 x, and its lm_head's top logits in float32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -222,6 +223,52 @@ at::Tensor silu_and_mul_bf16(const at::Tensor& x) {
   return out;
 }
 
+
+// Chunks of a logits row whose largest value is below the threshold are passed over whole.
+constexpr int64_t kLogitChunk = 64;
+
+// The bf16 mode's lm_head (cpu_bf16.py): each row's logits within margin of its largest are
+// recomputed as float32 dot products of the row's hidden state with weight's rows, in place.
+void refine_top_logits(const at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight,
+                       double margin) {
+  for (const at::Tensor* t : {&logits, &hidden, &weight})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->dim() == 2,
+                "refine_top_logits: contiguous float32 CPU matrices");
+  const int64_t vocab = logits.size(1), width = hidden.size(1);
+  TORCH_CHECK(hidden.size(0) == logits.size(0) && weight.size(0) == vocab &&
+                  weight.size(1) == width,
+              "refine_top_logits: logits [R, V], hidden [R, H], weight [V, H]");
+  float* all = logits.mutable_data_ptr<float>();
+  const float* hs = hidden.const_data_ptr<float>();
+  const float* ws = weight.const_data_ptr<float>();
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = all + r * vocab;
+      const float* h = hs + r * width;
+      float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+      for (int64_t v = 0; v < vocab; ++v) top = row[v] > top ? row[v] : top;
+      const float threshold = top - static_cast<float>(margin);
+      for (int64_t start = 0; start < vocab; start += kLogitChunk) {
+        const int64_t stop = std::min(start + kLogitChunk, vocab);
+        float chunk_top = -INFINITY;
+#pragma omp simd reduction(max : chunk_top)
+        for (int64_t v = start; v < stop; ++v) chunk_top = row[v] > chunk_top ? row[v] : chunk_top;
+        if (!(chunk_top >= threshold)) continue;
+        for (int64_t v = start; v < stop; ++v) {
+          if (!(row[v] >= threshold)) continue;
+          const float* w = ws + v * width;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < width; ++i) dot += h[i] * w[i];
+          row[v] = dot;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(asyncllm_cpu_layer, m) {
@@ -233,4 +280,6 @@ TORCH_LIBRARY(asyncllm_cpu_layer, m) {
   m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
   m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
   m.impl("silu_and_mul_bf16", c10::DispatchKey::CPU, &silu_and_mul_bf16);
+  m.def("refine_top_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, float margin) -> ()");
+  m.impl("refine_top_logits", c10::DispatchKey::CPU, &refine_top_logits);
 }

@@ -1,6 +1,7 @@
 """A decoder layer's per-token ops on CPU (kernels/cpu_layer_ops.cpp): in place in float32 the
 residual add with the RMSNorm (x in bfloat16 too), the rotary embedding of q and k, and the KV
-cache write; and the bf16 mode's SiLU-and-mul, bfloat16 in and out."""
+cache write; and the bf16 mode's SiLU-and-mul, bfloat16 in and out, and its lm_head's top
+logits recomputed in float32."""
 
 from __future__ import annotations
 
@@ -50,3 +51,12 @@ def silu_and_mul_bf16_cpu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x = [gate | up] bfloat16 [T, 2 * I] -> bfloat16 [T, I], in float32
     inside and rounded once."""
     return torch.ops.asyncllm_cpu_layer.silu_and_mul_bf16(x)
+
+
+def refine_top_logits_cpu(
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, margin: float
+) -> torch.Tensor:
+    """IN PLACE: each row's logits within margin of its largest become the float32 dot products
+    hidden[r] . weight[v]. All float32: logits [R, V], hidden [R, H], weight [V, H]."""
+    torch.ops.asyncllm_cpu_layer.refine_top_logits(logits, hidden, weight, margin)
+    return logits

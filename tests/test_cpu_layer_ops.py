@@ -12,6 +12,7 @@ from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
 from kernels.cpu_layer_ops import (
     cpu_layer_ops_available,
     fused_add_rms_norm_cpu,
+    refine_top_logits_cpu,
     rotary_embedding_cpu,
     silu_and_mul_bf16_cpu,
     write_kv_cache_cpu,
@@ -124,6 +125,44 @@ def test_silu_and_mul_bf16_rounds_the_float32_product_once(rows: int, inner: int
         if rows:
             assert (out == ref).float().mean() >= 0.9999 - 1 / out.numel()
             torch.testing.assert_close(out.float(), ref.float(), rtol=2**-8, atol=1e-30)
+
+
+@pytest.mark.parametrize(
+    "rows, vocab, width", [(0, 100, 8), (1, 1000, 7), (3, 4099, 64), (33, 650, 576)]
+)
+def test_refine_top_logits_recomputes_those_within_the_margin_exactly(
+    rows: int, vocab: int, width: int
+) -> None:
+    """Each row's logits within the margin of its largest (the largest itself, its near ties,
+    one just inside and one just outside the margin, in chunks of 64 and a short last one) become
+    the float32 dot products; all others stay as they were, bit for bit."""
+    gen = torch.Generator().manual_seed(rows + vocab)
+    hidden, weight = (
+        torch.randn(rows, width, generator=gen),
+        torch.randn(vocab, width, generator=gen),
+    )
+    exact = (hidden.double() @ weight.double().T).float()
+    logits = exact + torch.randn(rows, vocab, generator=gen) * 0.3  # a bf16 GEMM's errors
+    logits[:, -1] += 6.0  # the largest in the short last chunk
+    top = logits.amax(-1, keepdim=True)
+    logits[:, 5] = top[:, 0] - 0.999  # just inside
+    logits[:, 70] = top[:, 0] - 1.001  # just outside
+    near = logits >= top - 1.0
+    before = logits.clone()
+    for refine in (refine_top_logits_cpu, refine_top_logits_by_torch):
+        out = refine(before.clone(), hidden, weight, 1.0)
+        assert torch.equal(out[~near], before[~near])
+        torch.testing.assert_close(out[near], exact[near], rtol=1e-5, atol=1e-5)
+        if rows:
+            assert near[:, 5].all() and not near[:, 70].any() and near.sum() < rows * vocab / 50
+
+
+def refine_top_logits_by_torch(logits, hidden, weight, margin):
+    from asyncllm.layers.quantization import cpu_bf16
+
+    with pytest.MonkeyPatch.context() as patch:  # the engine's path where the ops cannot build
+        patch.setattr(cpu_bf16, "cpu_layer_ops_available", lambda: False)
+        return cpu_bf16.refine_top_logits(logits, hidden, weight, margin)
 
 
 def test_bf16_mode_mlp_keeps_gate_up_in_bf16_and_returns_float32() -> None:
