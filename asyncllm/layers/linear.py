@@ -439,6 +439,9 @@ def warm_up_packed_linears(model: nn.Module, max_rows: int, max_head_rows: int) 
     0.6 MiB and 0.7 ms each on SmolLM2's shapes: built here, that memory is taken at start-up
     instead of growing with each new batch size a server meets, and no step waits for a build."""
     warmed = set()
+    # random rows, not zeros: the bf16 mode's lm_head refines every logit tied with a row's
+    # largest, and zeros tie all of them
+    generator = torch.Generator().manual_seed(0)
     for name, module in model.named_modules():
         if not getattr(module, "onednn_packed", False):
             continue
@@ -452,7 +455,8 @@ def warm_up_packed_linears(model: nn.Module, max_rows: int, max_head_rows: int) 
             continue
         warmed.add(shape)
         for rows in sorted({padded_rows(r) for r in range(1, limit + 1)}):
-            module.quant_method.apply(module, torch.zeros(rows, rows_in), module.rank_bias)
+            x = torch.randn(rows, rows_in, generator=generator)
+            module.quant_method.apply(module, x, module.rank_bias)
 
 
 @torch.no_grad()
