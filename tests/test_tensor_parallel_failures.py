@@ -100,7 +100,8 @@ async def test_a_ray_worker_killed_while_idle_is_noticed_and_the_engine_restarts
     ray = pytest.importorskip("ray")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # Ray's workers import this tree
     path = save_random_model("llama", tmp_path)
-    ray.init(num_cpus=2)
+    # a cluster of its own, not one another test file's process has running on this machine
+    ray.init(address="local", num_cpus=2)
     try:
         args = EngineArgs(
             model=str(path),
