@@ -4,8 +4,9 @@ weights (distinct tensors, so nothing stays in L2) in one CUDA graph, replayed.
     python bench/decode_gemv.py --out bench/results/decode_gemv_h200.json
     python bench/decode_gemv.py --shape llama-3.1-8b --out bench/results/decode_gemv_llama8b_h200.json
 
-Sections: each GEMM shape alone for a sweep of GEMV tile configs, against cuBLAS (F.linear);
-then one layer's chain of projections with the norms and activation between them, unfused
+Sections: each GEMM shape alone for a sweep of GEMV tile configs, against cuBLAS (F.linear),
+and those that follow a norm as rms_norm_gemv runs them (the norm in each program); then one
+layer's chain of projections with the norms and activation between them, unfused
 (separate norm, GEMM and activation launches; cuBLAS or GEMV GEMMs) against the fused GEMV
 kernels.
 GB/s counts the weight bytes read, against the bytes read + written per second by a copy in the
@@ -49,6 +50,7 @@ SWEEP = [
     )
     if 1024 <= block_n * block_k <= 16384
 ]
+NORM_FIRST = ("qkv_proj", "gate_up_proj")  # rms_norm_gemv's in a decode layer
 
 
 @dataclass(frozen=True)
@@ -125,23 +127,32 @@ def rand(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", dtype=DTYPE) * 0.02
 
 
-def sweep_gemm(name: str, n: int, k: int, copies: int, copy: float) -> dict:
+def sweep_gemm(
+    name: str, n: int, k: int, copies: int, copy: float, norm_first: bool = False
+) -> dict:
+    """The GEMV's tiles on its own, or (norm_first) as rms_norm_gemv runs them in a layer, each
+    program first taking the residual add and the RMSNorm of x."""
     weights = [rand(n, k) for _ in range(copies)]
-    x = rand(1, k)
+    x, residual, norm_weight = rand(1, k), rand(1, k), rand(k) + 1
+
+    def run(w: torch.Tensor, config: GemvConfig) -> object:
+        if norm_first:
+            return rms_norm_gemv(x, residual, norm_weight, 1e-6, w, config=config)
+        return gemv(x, w, config=config)
 
     def per_gemm_us(gemm: Callable[[torch.Tensor], object]) -> float:
         return graph_us(lambda: [gemm(w) for w in weights]) / copies
 
     rows = []
     for config in SWEEP:
-        us = per_gemm_us(lambda w, c=config: gemv(x, w, config=c))
+        us = per_gemm_us(lambda w, c=config: run(w, c))
         rows.append({"config": vars(config), "us": us, "gbps": n * k * 2 / us / 1e3})
     best = min(rows, key=lambda r: r["us"])
     chosen = gemv_config(n, k)
-    chosen_us = per_gemm_us(lambda w: gemv(x, w, config=chosen))
+    chosen_us = per_gemm_us(lambda w: run(w, chosen))
     cublas_us = per_gemm_us(lambda w: F.linear(x, w))
     return {
-        "gemm": name,
+        "gemm": name + (" after its rms_norm" if norm_first else ""),
         "n": n,
         "k": k,
         "chosen": {
@@ -231,7 +242,9 @@ def main() -> None:
         "triton": triton.__version__,
         "copy_gbps": copy,
         "shape": args.shape,
-        "gemms": [sweep_gemm(name, n, k, copies, copy) for name, (n, k, copies) in gemms.items()],
+        "gemms": [sweep_gemm(name, n, k, copies, copy) for name, (n, k, copies) in gemms.items()]
+        # the GEMVs that take the layer's norms in their programs, swept that way too
+        + [sweep_gemm(name, *gemms[name], copy, norm_first=True) for name in NORM_FIRST],
         "layer_chain": layer_chain(shape),
     }
     chain = result["layer_chain"]
