@@ -223,7 +223,6 @@ at::Tensor silu_and_mul_bf16(const at::Tensor& x) {
   return out;
 }
 
-
 // Chunks of a logits row whose largest value is below the threshold are passed over whole.
 constexpr int64_t kLogitChunk = 64;
 

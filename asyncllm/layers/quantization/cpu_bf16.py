@@ -10,11 +10,11 @@ last bits, and every disagreement left came from the bf16 lm_head (with an fp32 
 as did the README's greedy capital-of-France reply, whose first tokens are 0.04 apart.
 
 The lm_head: its bf16 GEMM (a fifth of the default model's) is kept, an fp32 one costing some
-8% of a decode step; then each row's logits within REFINE_MARGIN of its largest, the only
-ones greedy decoding can pick and the likeliest a sample picks, are recomputed in float32 from the fp32
-weight (the tied embedding's, else a kept copy): one or two dot products a row, and the top
-of the distribution is then as an fp32 lm_head computes it. On that text the bf16 logits were
-at most 0.21 from the fp32 ones.
+8% of a decode step; then each row's logits within REFINE_MARGIN of its largest (the only ones
+greedy decoding can pick, and the likeliest a sample picks) are recomputed in float32 from the
+fp32 weight (the tied embedding's, else the lm_head's own): one or two dot products a row, and
+the top of the distribution is then as an fp32 lm_head computes it. On that text the bf16
+logits were at most 0.21 from the fp32 ones.
 
 What it needs: native bf16 dot products (AVX512_BF16 or AMX). There this path (casts included)
 ran the default model's projections 1.2-1.6x as fast as the packed fp32 weights at 17 rows and
