@@ -20,6 +20,8 @@
 #                                         speculation after the switch interval
 #   bench/h200_session.sh round5 OUT      the grammar process's step timed inside the engine
 #                                         (bench/grammar_process_trace.py) and alone on the host
+#   bench/h200_session.sh gemv_prologue OUT  the decode GEMVs' tiles, qkv and gate_up also as
+#                                         rms_norm_gemv runs them, for Qwen3-30B-A3B and 0.6B
 #   bench/h200_session.sh round3 OUT      GPU tests of the FP8 cache and speculation; speculation
 #                                         at batch 1 and 32 and its batch-1 host profile; the
 #                                         structured step masked with a real tokenizer
@@ -158,6 +160,12 @@ offline_ab)
       --out "$out/throughput_qwen3_ab_other_${round}_h200.json" | tail -1)
     python3 bench/throughput.py "${ab[@]}" --out "$out/throughput_qwen3_ab_this_${round}_h200.json" \
       | tail -1
+  done
+  ;;
+gemv_prologue)  # issue 22/28 batch 1: the GEMVs that take a norm in each program, swept that way
+  for shape in qwen3-30b-a3b qwen3-0.6b; do
+    python3 bench/decode_gemv.py --shape $shape --out "$out/decode_gemv_${shape}_prologue_h200.json" \
+      | grep -E "rms_norm|layer:"
   done
   ;;
 serving_ab)
