@@ -165,6 +165,31 @@ def refine_top_logits_by_torch(logits, hidden, weight, margin):
         return cpu_bf16.refine_top_logits(logits, hidden, weight, margin)
 
 
+def test_bf16_mode_lm_head_refines_its_top_logits_from_its_own_float32_weight() -> None:
+    """An untied lm_head in the bf16 mode: packed in bf16, its float32 parameter kept; the
+    logits within the margin of each row's largest are the float32 dot products, the others
+    the bf16 GEMM's, and the argmax is fp32's."""
+    from asyncllm.layers.quantization.cpu_bf16 import REFINE_MARGIN, CpuBf16Config
+    from asyncllm.layers.vocab_parallel_embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    head = ParallelLMHead(300, 64, prefix="lm_head", quant_config=CpuBf16Config())
+    head.weight.data.normal_(0, 0.3)
+    weight = head.weight.detach().clone()
+    head.quant_method.process_weights_after_loading(head)
+    assert head.weight.dtype == torch.bfloat16 and torch.equal(head.float32_weight, weight)
+    hidden = torch.randn(7, 64)
+    logits = head(hidden)
+    exact = (hidden.double() @ weight.double().T).float()
+    near = logits >= logits.amax(-1, keepdim=True) - REFINE_MARGIN
+    torch.testing.assert_close(logits[near], exact[near], rtol=1e-5, atol=1e-5)
+    bf16 = hidden.to(torch.bfloat16).float() @ weight.to(torch.bfloat16).float().T
+    bf16 = bf16.to(torch.bfloat16).float()  # oneDNN's bf16 GEMM writes bf16
+    # within a bf16 ulp: another order of the sums may round to the neighbour
+    torch.testing.assert_close(logits[~near], bf16[~near], rtol=2**-7, atol=1e-6)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
 def test_bf16_mode_mlp_keeps_gate_up_in_bf16_and_returns_float32() -> None:
     """The bf16 mode's MLP: gate_up's GEMM output goes to the SiLU-and-mul as bf16 and the
     down projection's output comes back in float32: bf16 operands, float32 sums, each GEMM's
