@@ -148,7 +148,7 @@ def sweep_gemm(
         us = per_gemm_us(lambda w, c=config: run(w, c))
         rows.append({"config": vars(config), "us": us, "gbps": n * k * 2 / us / 1e3})
     best = min(rows, key=lambda r: r["us"])
-    chosen = gemv_config(n, k)
+    chosen = gemv_config(n, k, norm_first=norm_first)
     chosen_us = per_gemm_us(lambda w: run(w, chosen))
     cublas_us = per_gemm_us(lambda w: F.linear(x, w))
     return {

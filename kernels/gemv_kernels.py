@@ -28,6 +28,7 @@ from kernels._common import configs_by_shape, next_pow2, num_sms, uses_pdl
 NO_PROLOGUE = tl.constexpr(0)
 RMS_NORM = tl.constexpr(1)
 SILU_AND_MUL = tl.constexpr(2)
+THREE_PROGRAMS_A_SM = 3 * 132  # on the H200
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,14 @@ class GemvConfig:
     programs_per_sm: int = 0
 
 
-# 16- and 32-bit weights' settings per (N, K) where a sweep found choose_gemv_config's more than
-# 5% slower (bench/decode_gemv.py): Qwen3-30B-A3B's qkv_proj and o_proj, 6.77 -> 5.56 and 6.34
-# -> 5.09 us (decode_gemv_qwen3-30b-a3b_h200.json). ASYNCLLM_GEMV, the JSON {"NxK": {GemvConfig's
+# 16- and 32-bit weights' settings per (N, K), as the model runs that shape, where a sweep found
+# the rules more than 5% slower (bench/decode_gemv.py): Qwen3-30B-A3B's o_proj 6.34 -> 5.09 us
+# (decode_gemv_qwen3-30b-a3b_h200.json); Qwen3-0.6B's lm_head 94.2 -> 69.7 us
+# (decode_gemv_qwen3-0.6b_prologue_h200.json). ASYNCLLM_GEMV, the JSON {"NxK": {GemvConfig's
 # fields}}, adds to and overrides the table (a sweep's winners, tried in the same run)
 GEMV_BY_SHAPE: dict[tuple[int, int], GemvConfig] = {
-    (5120, 2048): GemvConfig(block_n=4, block_k=1024, num_warps=4),
     (2048, 4096): GemvConfig(block_n=2, block_k=2048, num_warps=8),
+    (151936, 1024): GemvConfig(block_n=8, block_k=512, num_warps=4),
 }
 GEMV_BY_SHAPE_ENV = "ASYNCLLM_GEMV"
 # e4m3 weights' settings per (N, K) where a sweep found better than choose_gemv_config's
@@ -213,12 +215,24 @@ def choose_gemv_config(n: int, k: int, block_n: int = 2) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=8 if block_k >= 2048 else 4)
 
 
-def gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
-    """The settings a GEMV of W [N, K] runs with: its shape's in the tables, else the rule."""
+def choose_norm_gemv_config(n: int, k: int) -> GemvConfig:
+    """rms_norm_gemv's: every program first passes over x for the norm's sum of squares, so
+    more rows a program share that pass: 8 rows where that still gives every H200 SM three
+    programs, in K tiles of up to 1,024 values on 4 warps. Within 2% of the fastest of the
+    sweep on the four norm-first GEMVs of Qwen3-0.6B and Qwen3-30B-A3B, where the plain
+    GEMV's rule took 1.29-1.39x as long (decode_gemv_*_prologue_h200.json)."""
+    block_n = 8 if triton.cdiv(n, 8) >= THREE_PROGRAMS_A_SM else 2
+    return GemvConfig(block_n=block_n, block_k=min(next_pow2(k), 1024), num_warps=4)
+
+
+def gemv_config(n: int, k: int, fp8: bool = False, norm_first: bool = False) -> GemvConfig:
+    """The settings a GEMV of W [N, K] runs with (norm_first: as rms_norm_gemv): its shape's in
+    the tables, else the rule."""
     if fp8:
         return fp8_gemv_config(n, k)
     table = configs_by_shape(GEMV_BY_SHAPE_ENV, tuple(GEMV_BY_SHAPE.items()), GemvConfig)
-    return table.get((n, k)) or choose_gemv_config(n, k)
+    rule = choose_norm_gemv_config if norm_first else choose_gemv_config
+    return table.get((n, k)) or rule(n, k)
 
 
 def fp8_gemv_config(n: int, k: int) -> GemvConfig:
@@ -249,7 +263,7 @@ def _launch(
     assert weight.dtype == x.dtype or fp8
     assert scale is None or (scale.is_contiguous() and scale.numel() == n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    config = config or gemv_config(n, k, fp8)
+    config = config or gemv_config(n, k, fp8, prologue == RMS_NORM)
     pdl = uses_pdl(x.device)
     blocks = triton.cdiv(n, config.block_n)
     persistent = config.programs_per_sm > 0 and prologue == NO_PROLOGUE and k <= config.block_k

@@ -23,7 +23,13 @@ from asyncllm.layers.linear import (
 from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm, rms_norm
 from kernels import gemv, rms_norm_gemv, silu_and_mul_gemv
 from kernels._common import configs_by_shape
-from kernels.gemv_kernels import GEMV_BY_SHAPE, GemvConfig, choose_gemv_config, gemv_config
+from kernels.gemv_kernels import (
+    GEMV_BY_SHAPE,
+    GemvConfig,
+    choose_gemv_config,
+    choose_norm_gemv_config,
+    gemv_config,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -32,7 +38,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (N, K) of each GEMM of a decode step: qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
 QWEN3_0_6B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
 LLAMA_3_1_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-# Qwen3-30B-A3B's qkv_proj and o_proj: GEMV_BY_SHAPE's entries
+# Qwen3-30B-A3B's qkv_proj and o_proj (a GEMV_BY_SHAPE entry)
 QWEN3_30B_A3B = [(5120, 2048), (2048, 4096)]
 # N, K: one row and one column, odd sizes, an odd N at K = 2048 (the 8-warp tile), K over one
 # 4096-value tile (a K loop)
@@ -142,12 +148,41 @@ def test_shapes_in_the_table_take_its_settings(monkeypatch: pytest.MonkeyPatch) 
     configs_by_shape.cache_clear()
     try:
         assert (
-            gemv_config(5120, 2048) == GEMV_BY_SHAPE[5120, 2048] != choose_gemv_config(5120, 2048)
+            gemv_config(151936, 1024)
+            == GEMV_BY_SHAPE[151936, 1024]
+            != choose_gemv_config(151936, 1024)
         )
         assert gemv_config(1000, 1000) == GemvConfig(block_n=8, block_k=256)
+        assert gemv_config(1000, 1000, norm_first=True) == GemvConfig(block_n=8, block_k=256)
         assert gemv_config(1027, 2048) == choose_gemv_config(1027, 2048)
     finally:
         configs_by_shape.cache_clear()
+
+
+@pytest.mark.parametrize("n, k", [(4096, 1024), (6144, 1024), (5120, 2048), (960, 576)])
+def test_norm_first_rule_shares_the_norm_over_eight_rows_while_every_sm_gets_three(
+    n: int, k: int
+) -> None:
+    """Qwen3-0.6B's qkv and gate_up, Qwen3-30B-A3B's qkv (the sweep's winners), and
+    SmolLM2-135M's qkv, whose 960 rows in eights would leave H200 SMs idle."""
+    config = gemv_config(n, k, norm_first=True)
+    assert config == choose_norm_gemv_config(n, k)
+    assert config.block_n == (8 if n >= 8 * 3 * 132 else 2)
+    assert triton.cdiv(n, config.block_n) >= 3 * 132 or config.block_n == 2
+    assert config.block_k == min(triton.next_power_of_2(k), 1024) and config.num_warps == 4
+
+
+@pytest.mark.parametrize("n, k", [(45, 2500), (3173, 1000)])
+def test_norm_first_rule_only_changes_speed(n: int, k: int) -> None:
+    """Eight rows a program over N off the blocks, K over several tiles and off the last."""
+    x, residual = randn(1, k, dtype=torch.float32, seed=1), randn(1, k, dtype=torch.float32, seed=2)
+    norm_weight = randn(k, dtype=torch.float32, seed=3).abs() + 0.5
+    w, b = weights(n, k, torch.float32, bias=True)
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    config = GemvConfig(block_n=8, block_k=1024, num_warps=4)
+    out, residual_out = rms_norm_gemv(x, residual, norm_weight, 1e-6, w, b, config)
+    assert_close(out, linear_reference(normed, w, b))
+    torch.testing.assert_close(residual_out, summed, rtol=0, atol=0)
 
 
 def test_layer_helpers_fall_back_to_the_unfused_ops_off_cuda() -> None:
