@@ -5,8 +5,9 @@ calling thread (one OpenMP thread, so the op runs in it) spreads by about 20%, t
 noise being other processes' use of the shared L3 and memory bandwidth. Each figure is the
 minimum over interleaved rounds of every variant.
 
-Variants per projection of SmolLM2-135M (x [rows, in] @ W.T): the engine's oneDNN-packed fp32
-weight, F.linear (MKL), fbgemm's dynamically quantized int8 linear (per-channel int8 weights,
+Variants per projection of SmolLM2-135M (x [rows, in] @ W.T): the engine's fp32 GEMM on
+panels (kernels/cpu_gemm.cpp, where this CPU has AVX-512 or AVX2), the oneDNN-packed fp32 weight
+(the engine's where it has neither), F.linear (MKL), fbgemm's dynamically quantized int8 linear (per-channel int8 weights,
 activations quantized per call), bf16 F.linear, and the engine's `--dtype bfloat16` on CPU: the
 oneDNN-packed bf16 weight, fp32 activations cast to bf16 and the output back to fp32. Also the square fp32 matmul rate the CPU floor
 of bench/throughput.py uses, and the C++ paged decode attention on one layer.
@@ -30,6 +31,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 from asyncllm.layers.quantization.base import packed_linear
 from bench.throughput import cpu_description
 from kernels.cpu_decode_attention import cpu_decode_attention_available, paged_decode_attention_cpu
+from kernels.cpu_gemm import cpu_gemm, cpu_gemm_available, pack_cpu_gemm_weight
 
 # SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, MLP 1536, vocabulary 49,152
 PROJECTIONS = {
@@ -64,14 +66,20 @@ def linear_variants(weight: torch.Tensor, x: torch.Tensor) -> dict:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
     int8 = int8_weight(weight)
     weight_bf16, x_bf16 = weight.bfloat16(), x.bfloat16()
-    packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, 32)
-    return {
+    variants = {"cpu_gemm_fp32": None} if cpu_gemm_available() else {}
+    if variants:
+        panels = pack_cpu_gemm_weight(weight)
+        variants["cpu_gemm_fp32"] = lambda: cpu_gemm(x, panels, None)
+    variants |= {
         "onednn_fp32": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         "mkl_fp32": lambda: F.linear(x, weight),
         "fbgemm_int8_dynamic": lambda: torch.ops.quantized.linear_dynamic(x, int8, True),
         "bf16": lambda: F.linear(x_bf16, weight_bf16),
-        "onednn_bf16_fp32_io": lambda: packed_linear(x, packed_bf16, None, torch.float32),
     }
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN packs bf16 only with AVX-512
+        packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, 32)
+        variants["onednn_bf16_fp32_io"] = lambda: packed_linear(x, packed_bf16, None, torch.float32)
+    return variants
 
 
 def time_linears(rows: list[int], rounds: int) -> list[dict]:

@@ -1,8 +1,11 @@
-// The fp32 linear layers' GEMM on CPU with AVX-512: y [M, N] = x [M, K] @ W^T (+ bias), W packed
-// as panels of 32 columns, [N / 32][K][32], each panel read once from memory in address order.
-// At decode's 8-32 rows oneDNN's packed GEMM waited on the weights' reads from memory; here
-// the next panel is prefetched into L2 while this one is computed (the offline fp32 workload
-// 1.21x on the Zen 4: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json).
+// The fp32 linear layers' GEMM on CPU with AVX-512 or AVX2: y [M, N] = x [M, K] @ W^T (+ bias),
+// W packed as panels of 32 columns, [N / 32][K][32], each panel read once from memory in address
+// order. At decode's 8-32 rows oneDNN's packed GEMM waited on the weights' reads from memory;
+// here the next panel is prefetched into L2 while this one is computed (the offline fp32
+// workload 1.21x on the Zen 4: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json).
+// x's rows are copied once a call into the blocks the kernel takes them in, each block's K
+// columns interleaved, so that its broadcasts read consecutive floats: read in place, rows a
+// K apart, a Zen 3 thread ran at half the square matmul's rate at 17-32 rows (bench/NOTES.md).
 // And the MLP's gate/up projection with SiLU-and-mul applied to its sums: [gate | up] is
 // never written, only silu(gate) * up [M, N / 2].
 #include <ATen/Parallel.h>
@@ -11,19 +14,20 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ASYNCLLM_CPU_GEMM 1
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // a panel's columns: two AVX-512 vectors
-constexpr int kMaxRows = 14;    // rows a block: 28 accumulators of AVX-512's 32 registers
+constexpr int64_t kPanel = 32;  // a panel's columns: two AVX-512 vectors, four AVX2 ones
 constexpr int64_t kChunkFloats = 96 * 1024;  // rows of x a thread keeps in L2 across panels
 
 struct Gemm {
-  const float* x;
+  const float* x;  // [M, K] rows ldx apart; in panel_rows and pair_rows, pack_rows' blocks
   int64_t ldx;
   const float* w;  // [N / 32][K][32]
   const float* bias;  // [N] or null
@@ -31,7 +35,61 @@ struct Gemm {
   int64_t ldy, K;
 };
 
+#ifdef ASYNCLLM_CPU_GEMM
+
+// A block's sums are two vectors a row: a whole panel's 32 columns with AVX-512, for up to 14
+// rows (28 accumulators of its 32 registers); half a panel with AVX2, for up to 6 rows (12
+// accumulators, the 2 weight vectors and a broadcast of its 16).
 #ifdef __AVX512F__
+struct Simd {
+  using V = __m512;
+  using I = __m512i;
+  static constexpr int kWidth = 16, kMaxRows = 14;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  // 2^n for whole n in [-126, 127], from the exponent's bits
+  static V pow2(V n) {
+    const I biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
+  }
+};
+#else
+struct Simd {
+  using V = __m256;
+  using I = __m256i;
+  static constexpr int kWidth = 8, kMaxRows = 6;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V pow2(V n) {
+    const I biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+  }
+};
+#endif
+
+using V = Simd::V;
+constexpr int kMaxRows = Simd::kMaxRows;
+constexpr int64_t kBlockColumns = 2 * Simd::kWidth;  // of a panel's 32
 
 // What a block does with its sums: y = sums + bias; keep them in a tile (a gate's); or
 // y = silu(tile) * sums (the up's).
@@ -39,74 +97,94 @@ enum class Epilogue { kBias, kGate, kSiluMul };
 
 // exp(x), Cephes' polynomial as kernels/cpu_layer_ops.cpp's vector_exp (about 1 ulp); past 89
 // the exponent's bits overflow to infinity, as expf does.
-__m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(89.f));
-  const __m512 magic = _mm512_set1_ps(12582912.f);
-  const __m512 n =
-      _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+V vexp(V x) {
+  x = Simd::min(Simd::max(x, Simd::set1(-87.3f)), Simd::set1(89.f));
+  const V magic = Simd::set1(12582912.f);
+  const V n = Simd::sub(Simd::fmadd(x, Simd::set1(1.44269504088896341f), magic), magic);
+  V r = Simd::fnmadd(n, Simd::set1(0.693359375f), x);
+  r = Simd::fmadd(n, Simd::set1(2.12194440e-4f), r);
+  V p = Simd::set1(1.9875691500e-4f);
   for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
                         5.0000001201e-1f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    p = Simd::fmadd(p, r, Simd::set1(c));
   }
-  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  const V y = Simd::fmadd(p, Simd::mul(r, r), Simd::add(r, Simd::set1(1.f)));
+  return Simd::mul(y, Simd::pow2(n));
 }
 
 // silu(gate) * up, silu(g) = g / (1 + exp(-g)) as torch computes it
-__m512 silu_mul(__m512 gate, __m512 up) {
-  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-  return _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up);
+V silu_mul(V gate, V up) {
+  const V e = vexp(Simd::sub(Simd::zero(), gate));
+  return Simd::mul(Simd::div(gate, Simd::add(Simd::set1(1.f), e)), up);
 }
 
-// The rows [0, ROWS) of x from `x` times one panel, to y at column `col` (or to `tile`, ROWS x
-// 32); while it runs, the panel `next` (null: none) is prefetched into L2, a line for each line
-// of this panel read.
-template <Epilogue E, int ROWS>
-void panel_block(const Gemm& g, const float* x, const float* panel, float* y, int64_t col,
-                 const float* next, float* tile) {
-  __m512 lo[ROWS], hi[ROWS];
-  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < g.K; ++k) {
-    if (next) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel + 16), _MM_HINT_T1);
-    }
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
-    const __m512 w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * g.ldx + k]);
-      lo[r] = _mm512_fmadd_ps(a, w0, lo[r]);
-      hi[r] = _mm512_fmadd_ps(a, w1, hi[r]);
+// A block run's share of the next panel's lines, prefetched into L2 evenly over its K steps:
+// each of a panel's runs takes the next panel's lines in turn, so the whole panel is requested
+// while this one is computed, not in a burst over the first run (which left a Zen 3 thread
+// streaming the weights from DRAM at 4 GB/s, bench/NOTES.md).
+struct Prefetch {
+  const char* line;
+  int64_t lines, steps, due = 0;
+
+  void step() {
+    for (due += lines; due >= steps; due -= steps, line += 64) {
+      _mm_prefetch(line, _MM_HINT_T1);
     }
   }
+};
+
+// Run `run` of `runs` over a panel: its share of `next` (null: nothing to prefetch)
+Prefetch share(const Gemm& g, const float* next, int64_t run, int64_t runs) {
+  if (!next) return {nullptr, 0, g.K};
+  const int64_t lines = g.K * kPanel * sizeof(float) / 64;
+  const int64_t first = lines * run / runs, last = lines * (run + 1) / runs;
+  return {reinterpret_cast<const char*>(next) + first * 64, last - first, g.K};
+}
+
+// The rows [0, ROWS) of x from `x` ([K][ROWS], as pack_rows blocks them) times the panel's
+// columns [c, c + kBlockColumns), to y at column `col` + c (or to `tile`, ROWS x 32, at c),
+// prefetching its share of the next panel.
+template <Epilogue E, int ROWS>
+void panel_block(const Gemm& g, const float* x, const float* panel, float* y, int64_t col,
+                 int64_t c, Prefetch ahead, float* tile) {
+  constexpr int W = Simd::kWidth;
+  V lo[ROWS], hi[ROWS];
+  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Simd::zero();
+  panel += c;
+  for (int64_t k = 0; k < g.K; ++k) {
+    ahead.step();
+    const V w0 = Simd::load(panel + k * kPanel);
+    const V w1 = Simd::load(panel + k * kPanel + W);
+    for (int r = 0; r < ROWS; ++r) {
+      const V a = Simd::set1(x[k * ROWS + r]);
+      lo[r] = Simd::fmadd(a, w0, lo[r]);
+      hi[r] = Simd::fmadd(a, w1, hi[r]);
+    }
+  }
+  y += col + c;
   if constexpr (E == Epilogue::kGate) {
     for (int r = 0; r < ROWS; ++r) {
-      _mm512_storeu_ps(tile + r * kPanel, lo[r]);
-      _mm512_storeu_ps(tile + r * kPanel + 16, hi[r]);
+      Simd::store(tile + r * kPanel + c, lo[r]);
+      Simd::store(tile + r * kPanel + c + W, hi[r]);
     }
   } else if constexpr (E == Epilogue::kSiluMul) {
     for (int r = 0; r < ROWS; ++r) {
-      _mm512_storeu_ps(y + r * g.ldy + col, silu_mul(_mm512_loadu_ps(tile + r * kPanel), lo[r]));
-      _mm512_storeu_ps(y + r * g.ldy + col + 16,
-                       silu_mul(_mm512_loadu_ps(tile + r * kPanel + 16), hi[r]));
+      Simd::store(y + r * g.ldy, silu_mul(Simd::load(tile + r * kPanel + c), lo[r]));
+      Simd::store(y + r * g.ldy + W, silu_mul(Simd::load(tile + r * kPanel + c + W), hi[r]));
     }
   } else {
-    const __m512 b0 = g.bias ? _mm512_loadu_ps(g.bias + col) : _mm512_setzero_ps();
-    const __m512 b1 = g.bias ? _mm512_loadu_ps(g.bias + col + 16) : _mm512_setzero_ps();
+    const float* bias = g.bias ? g.bias + col + c : nullptr;
+    const V b0 = bias ? Simd::load(bias) : Simd::zero();
+    const V b1 = bias ? Simd::load(bias + W) : Simd::zero();
     for (int r = 0; r < ROWS; ++r) {
-      _mm512_storeu_ps(y + r * g.ldy + col, _mm512_add_ps(lo[r], b0));
-      _mm512_storeu_ps(y + r * g.ldy + col + 16, _mm512_add_ps(hi[r], b1));
+      Simd::store(y + r * g.ldy, Simd::add(lo[r], b0));
+      Simd::store(y + r * g.ldy + W, Simd::add(hi[r], b1));
     }
   }
 }
 
-using BlockFn = void (*)(const Gemm&, const float*, const float*, float*, int64_t, const float*,
-                         float*);
+using BlockFn = void (*)(const Gemm&, const float*, const float*, float*, int64_t, int64_t,
+                         Prefetch, float*);
 
 template <Epilogue E, int... I>
 constexpr std::array<BlockFn, sizeof...(I)> block_table(std::integer_sequence<int, I...>) {
@@ -118,16 +196,20 @@ const auto kBlocks = block_table<E>(std::make_integer_sequence<int, kMaxRows>{})
 
 const float* panel_at(const Gemm& g, int64_t p) { return g.w + p * g.K * kPanel; }
 
+constexpr int64_t kRuns = kPanel / kBlockColumns;  // block runs a row block takes a panel in
+
 // Rows [m0, m1) in blocks of at most kMaxRows rows of about equal size, each times panel p to
-// y's columns from p * 32; the first block prefetches panel `next` (-1: none).
+// y's columns from p * 32, prefetching panel `next` (-1: none).
 void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
   const int64_t rows = m1 - m0, blocks = (rows + kMaxRows - 1) / kMaxRows;
+  const float* ahead = next >= 0 ? panel_at(g, next) : nullptr;
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
     const int64_t end = rows * (b + 1) / blocks;
-    const float* ahead = b == 0 && next >= 0 ? panel_at(g, next) : nullptr;
-    kBlocks<Epilogue::kBias>[end - start - 1](g, g.x + (m0 + start) * g.ldx, panel_at(g, p),
-                                              g.y + (m0 + start) * g.ldy, p * kPanel, ahead,
-                                              nullptr);
+    for (int64_t run = 0; run < kRuns; ++run) {
+      kBlocks<Epilogue::kBias>[end - start - 1](
+          g, g.x + start * g.K, panel_at(g, p), g.y + (m0 + start) * g.ldy, p * kPanel,
+          run * kBlockColumns, share(g, ahead, b * kRuns + run, blocks * kRuns), nullptr);
+    }
     start = end;
   }
 }
@@ -137,40 +219,66 @@ void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) 
 void pair_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
   const int64_t rows = m1 - m0, blocks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t half = g.ldy / kPanel;
+  const float* gate_ahead = next >= 0 ? panel_at(g, next) : nullptr;
+  const float* up_ahead = next >= 0 ? panel_at(g, next + half) : nullptr;
   alignas(64) float tile[kMaxRows * kPanel];
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
     const int64_t end = rows * (b + 1) / blocks;
-    const bool ahead = b == 0 && next >= 0;
-    const float* x = g.x + (m0 + start) * g.ldx;
+    const float* x = g.x + start * g.K;
     float* y = g.y + (m0 + start) * g.ldy;
-    kBlocks<Epilogue::kGate>[end - start - 1](g, x, panel_at(g, p), y, p * kPanel,
-                                              ahead ? panel_at(g, next) : nullptr, tile);
-    kBlocks<Epilogue::kSiluMul>[end - start - 1](g, x, panel_at(g, p + half), y, p * kPanel,
-                                                 ahead ? panel_at(g, next + half) : nullptr,
-                                                 tile);
+    for (int64_t run = 0; run < kRuns; ++run) {
+      const int64_t c = run * kBlockColumns, index = b * kRuns + run, runs = blocks * kRuns;
+      kBlocks<Epilogue::kGate>[end - start - 1](g, x, panel_at(g, p), y, p * kPanel, c,
+                                                share(g, gate_ahead, index, runs), tile);
+      kBlocks<Epilogue::kSiluMul>[end - start - 1](g, x, panel_at(g, p + half), y, p * kPanel,
+                                                   c, share(g, up_ahead, index, runs), tile);
+    }
     start = end;
   }
 }
 
 #else  // never called: check() refuses first
 
+constexpr int kMaxRows = 1;
 void panel_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
 void pair_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
 
-#endif  // __AVX512F__
+#endif  // ASYNCLLM_CPU_GEMM
+
+// x's rows [m0, m1) into `packed` as panel_rows blocks them, each block [K][rows], so that a
+// block's broadcasts read consecutive floats; returns g with x the packed rows (the block of
+// rows from m0 + start at x + start * K)
+Gemm pack_rows(const Gemm& g, int64_t m0, int64_t m1, std::vector<float>& packed) {
+  const int64_t rows = m1 - m0, blocks = (rows + kMaxRows - 1) / kMaxRows;
+  packed.resize(rows * g.K);
+  for (int64_t b = 0, start = 0; b < blocks; ++b) {
+    const int64_t end = rows * (b + 1) / blocks, n = end - start;
+    float* block = packed.data() + start * g.K;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = g.x + (m0 + start + r) * g.ldx;
+      for (int64_t k = 0; k < g.K; ++k) block[k * n + r] = row[k];
+    }
+    start = end;
+  }
+  Gemm blocked = g;
+  blocked.x = packed.data();
+  return blocked;
+}
 
 // One thread's panels [p0, p1) for every row, the rows in chunks that stay in L2.
 template <class Rows>
 void thread_panels(const Gemm& g, int64_t M, int64_t p0, int64_t p1, Rows rows) {
   const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkFloats / g.K);
+  std::vector<float> packed;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m1 = std::min(M, m0 + chunk);
-    for (int64_t p = p0; p < p1; ++p) rows(g, m0, m1, p, p + 1 < p1 ? p + 1 : -1);
+    const Gemm blocked = pack_rows(g, m0, m1, packed);
+    for (int64_t p = p0; p < p1; ++p) rows(blocked, m0, m1, p, p + 1 < p1 ? p + 1 : -1);
   }
 }
 
 bool supported() {
-#ifdef __AVX512F__
+#ifdef ASYNCLLM_CPU_GEMM
   return true;
 #else
   return false;
@@ -178,7 +286,7 @@ bool supported() {
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(supported(), "cpu_gemm: built without AVX-512");
+  TORCH_CHECK(supported(), "cpu_gemm: built without AVX-512 or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "cpu_gemm: x is float32 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
                   packed.scalar_type() == torch::kFloat,

@@ -1,4 +1,4 @@
-"""The AVX-512 fp32 GEMM (kernels/cpu_gemm.cpp) computes what F.linear computes, and with
+"""The AVX-512 or AVX2 fp32 GEMM (kernels/cpu_gemm.cpp) computes what F.linear computes, and with
 SiLU-and-mul on its sums what torch computes after it."""
 
 import pytest
@@ -12,13 +12,14 @@ from kernels.cpu_gemm import (
     pack_cpu_gemm_weight,
 )
 
-pytestmark = pytest.mark.skipif(not cpu_gemm_available(), reason="needs AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_gemm_available(), reason="needs AVX-512, or AVX2 and FMA")
 
 
-@pytest.mark.parametrize("rows", [1, 13, 14, 15, 29, 32, 200, 333])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 14, 15, 29, 32, 200, 333])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_row_block_size_matches_linear(rows: int, bias: bool) -> None:
-    """Rows split into blocks of up to 14, and into chunks past 170 rows of K = 576."""
+    """Rows split into blocks of up to 14 (AVX-512) or 6 (AVX2), and into chunks past 170 rows
+    of K = 576."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 576), torch.randn(rows, 576)
     b = torch.randn(96) if bias else None

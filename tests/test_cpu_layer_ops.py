@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm
+from asyncllm.layers.quantization.cpu_bf16 import onednn_bf16
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
 from kernels.cpu_layer_ops import (
     cpu_layer_ops_available,
@@ -16,6 +17,10 @@ from kernels.cpu_layer_ops import (
     rotary_embedding_cpu,
     silu_and_mul_bf16_cpu,
     write_kv_cache_cpu,
+)
+
+ONEDNN_BF16 = pytest.mark.skipif(
+    not onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
 )
 
 
@@ -165,6 +170,7 @@ def refine_top_logits_by_torch(logits, hidden, weight, margin):
         return cpu_bf16.refine_top_logits(logits, hidden, weight, margin)
 
 
+@ONEDNN_BF16
 def test_bf16_mode_lm_head_refines_its_top_logits_from_its_own_float32_weight() -> None:
     """An untied lm_head in the bf16 mode: packed in bf16, its float32 parameter kept; the
     logits within the margin of each row's largest are the float32 dot products, the others
@@ -190,6 +196,7 @@ def test_bf16_mode_lm_head_refines_its_top_logits_from_its_own_float32_weight() 
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
+@ONEDNN_BF16
 def test_bf16_mode_mlp_keeps_gate_up_in_bf16_and_returns_float32() -> None:
     """The bf16 mode's MLP: gate_up's GEMM output goes to the SiLU-and-mul as bf16 and the
     down projection's output comes back in float32: bf16 operands, float32 sums, each GEMM's

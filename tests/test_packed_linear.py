@@ -13,9 +13,15 @@ from asyncllm.layers.linear import (
     warm_up_packed_linears,
 )
 from asyncllm.layers.quantization.base import UnquantizedLinearMethod, padded_rows
+from asyncllm.layers.quantization.cpu_bf16 import onednn_bf16
 from kernels.cpu_gemm import PANEL, cpu_gemm_available
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+ONEDNN_BF16 = pytest.mark.skipif(
+    not onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
+)
 
 
 def random_linear(input_size: int, output_size: int, bias: bool = True) -> ReplicatedLinear:
@@ -40,6 +46,7 @@ def test_packed_linear_matches_linear(output_size: int, bias: bool, rows: int) -
     torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@ONEDNN_BF16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 17, 333])
 def test_bf16_packed_linear_takes_and_gives_float32(bias: bool, rows: int) -> None:

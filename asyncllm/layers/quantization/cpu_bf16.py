@@ -19,8 +19,8 @@ logits were at most 0.21 from the fp32 ones.
 What it needs: native bf16 dot products (AVX512_BF16 or AMX). There this path (casts included)
 ran the default model's projections 1.2-1.6x as fast as the packed fp32 weights at 17 rows and
 1.8-1.9x at 256, one Zen 5 thread (bench/results/cpu_linear_zen5_avx512_loaded.json). Without
-them oneDNN emulates them, and on an AVX2-only EPYC bf16 GEMMs were 4-8x slower than fp32: the
-engine warns (bench/NOTES.md).
+them, on AVX-512, oneDNN emulates them and the engine warns; on a CPU with AVX2 alone oneDNN
+has no bf16 GEMM at all, and the mode is refused at load with a message naming the fp32 default.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ class CpuBf16Config(QuantizationConfig):
 
     @classmethod
     def for_this_cpu(cls) -> CpuBf16Config:
+        if not onednn_bf16():
+            raise ValueError(
+                "--dtype bfloat16 on CPU runs oneDNN's bf16 GEMMs, which need AVX-512 (BW, VL "
+                "and DQ) or AVX-NE-CONVERT, and this CPU has neither: use the default float32 "
+                "(or --quantization int8)"
+            )
         if not native_bf16():
             logger.warning(
                 "--dtype bfloat16 on this CPU: it has no native bf16 dot products (AVX512_BF16 "
@@ -102,3 +108,8 @@ def refine_top_logits(
 
 def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def onednn_bf16() -> bool:
+    """oneDNN packs and multiplies bf16 on this CPU (it refuses to on AVX2 alone)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
