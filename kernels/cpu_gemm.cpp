@@ -27,7 +27,7 @@ constexpr int64_t kPanel = 32;  // a panel's columns: two AVX-512 vectors, four 
 constexpr int64_t kChunkFloats = 96 * 1024;  // rows of x a thread keeps in L2 across panels
 
 struct Gemm {
-  const float* x;  // [M, K] rows ldx apart; in panel_rows and pair_rows, pack_rows' blocks
+  const float* x;  // [M, K] rows ldx apart; in panel_rows and pair_rows, blocked_rows'
   int64_t ldx;
   const float* w;  // [N / 32][K][32]
   const float* bias;  // [N] or null
@@ -40,11 +40,17 @@ struct Gemm {
 // A block's sums are two vectors a row: a whole panel's 32 columns with AVX-512, for up to 14
 // rows (28 accumulators of its 32 registers); half a panel with AVX2, for up to 6 rows (12
 // accumulators, the 2 weight vectors and a broadcast of its 16).
+// kPackedRows and kSpreadPrefetch: the AVX2 build copies x's rows into its blocks' [K][rows]
+// layout and spreads the next panel's prefetch over every block run (each 1.3-1.5x on a Zen 3
+// streaming 30 layers' weights, bench/NOTES.md); the AVX-512 build reads x in place and
+// prefetches the next panel in the first block run, as it did when measured at the floor's
+// rate on the Zen 4 (the AVX2 scheme ran 1.5-2.6x slower on an AVX-512 Xeon).
 #ifdef __AVX512F__
 struct Simd {
   using V = __m512;
   using I = __m512i;
   static constexpr int kWidth = 16, kMaxRows = 14;
+  static constexpr bool kPackedRows = false, kSpreadPrefetch = false;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float a) { return _mm512_set1_ps(a); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -68,6 +74,7 @@ struct Simd {
   using V = __m256;
   using I = __m256i;
   static constexpr int kWidth = 8, kMaxRows = 6;
+  static constexpr bool kPackedRows = true, kSpreadPrefetch = true;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float a) { return _mm256_set1_ps(a); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -123,27 +130,38 @@ V silu_mul(V gate, V up) {
 // while this one is computed, not in a burst over the first run (which left a Zen 3 thread
 // streaming the weights from DRAM at 4 GB/s, bench/NOTES.md).
 struct Prefetch {
-  const char* line;
+  const char* line;  // without kSpreadPrefetch: the next panel, whose k-th row step k takes
   int64_t lines, steps, due = 0;
 
-  void step() {
-    for (due += lines; due >= steps; due -= steps, line += 64) {
-      _mm_prefetch(line, _MM_HINT_T1);
+  void step(int64_t k) {
+    if constexpr (Simd::kSpreadPrefetch) {
+      for (due += lines; due >= steps; due -= steps, line += 64) {
+        _mm_prefetch(line, _MM_HINT_T1);
+      }
+    } else if (line) {
+      const char* row = line + k * kPanel * sizeof(float);
+      _mm_prefetch(row, _MM_HINT_T1);
+      _mm_prefetch(row + 64, _MM_HINT_T1);
     }
   }
 };
 
-// Run `run` of `runs` over a panel: its share of `next` (null: nothing to prefetch)
+// Run `run` of `runs` over a panel: its share of `next` (null: nothing to prefetch); without
+// kSpreadPrefetch the first run takes it all
 Prefetch share(const Gemm& g, const float* next, int64_t run, int64_t runs) {
+  if (!Simd::kSpreadPrefetch) {
+    if (run > 0) next = nullptr;
+    runs = 1;
+  }
   if (!next) return {nullptr, 0, g.K};
   const int64_t lines = g.K * kPanel * sizeof(float) / 64;
   const int64_t first = lines * run / runs, last = lines * (run + 1) / runs;
   return {reinterpret_cast<const char*>(next) + first * 64, last - first, g.K};
 }
 
-// The rows [0, ROWS) of x from `x` ([K][ROWS], as pack_rows blocks them) times the panel's
-// columns [c, c + kBlockColumns), to y at column `col` + c (or to `tile`, ROWS x 32, at c),
-// prefetching its share of the next panel.
+// The rows [0, ROWS) of x from `x` (with kPackedRows [K][ROWS], as blocked_rows copies them)
+// times the panel's columns [c, c + kBlockColumns), to y at column `col` + c (or to `tile`,
+// ROWS x 32, at c), prefetching its share of the next panel.
 template <Epilogue E, int ROWS>
 void panel_block(const Gemm& g, const float* x, const float* panel, float* y, int64_t col,
                  int64_t c, Prefetch ahead, float* tile) {
@@ -152,11 +170,11 @@ void panel_block(const Gemm& g, const float* x, const float* panel, float* y, in
   for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Simd::zero();
   panel += c;
   for (int64_t k = 0; k < g.K; ++k) {
-    ahead.step();
+    ahead.step(k);
     const V w0 = Simd::load(panel + k * kPanel);
     const V w1 = Simd::load(panel + k * kPanel + W);
     for (int r = 0; r < ROWS; ++r) {
-      const V a = Simd::set1(x[k * ROWS + r]);
+      const V a = Simd::set1(Simd::kPackedRows ? x[k * ROWS + r] : x[r * g.ldx + k]);
       lo[r] = Simd::fmadd(a, w0, lo[r]);
       hi[r] = Simd::fmadd(a, w1, hi[r]);
     }
@@ -198,6 +216,11 @@ const float* panel_at(const Gemm& g, int64_t p) { return g.w + p * g.K * kPanel;
 
 constexpr int64_t kRuns = kPanel / kBlockColumns;  // block runs a row block takes a panel in
 
+// x's block of rows from m0 + start: blocked_rows' copy (kPackedRows), else x's own rows
+const float* block_rows(const Gemm& g, int64_t m0, int64_t start) {
+  return Simd::kPackedRows ? g.x + start * g.K : g.x + (m0 + start) * g.ldx;
+}
+
 // Rows [m0, m1) in blocks of at most kMaxRows rows of about equal size, each times panel p to
 // y's columns from p * 32, prefetching panel `next` (-1: none).
 void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
@@ -207,7 +230,7 @@ void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) 
     const int64_t end = rows * (b + 1) / blocks;
     for (int64_t run = 0; run < kRuns; ++run) {
       kBlocks<Epilogue::kBias>[end - start - 1](
-          g, g.x + start * g.K, panel_at(g, p), g.y + (m0 + start) * g.ldy, p * kPanel,
+          g, block_rows(g, m0, start), panel_at(g, p), g.y + (m0 + start) * g.ldy, p * kPanel,
           run * kBlockColumns, share(g, ahead, b * kRuns + run, blocks * kRuns), nullptr);
     }
     start = end;
@@ -224,7 +247,7 @@ void pair_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
   alignas(64) float tile[kMaxRows * kPanel];
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
     const int64_t end = rows * (b + 1) / blocks;
-    const float* x = g.x + start * g.K;
+    const float* x = block_rows(g, m0, start);
     float* y = g.y + (m0 + start) * g.ldy;
     for (int64_t run = 0; run < kRuns; ++run) {
       const int64_t c = run * kBlockColumns, index = b * kRuns + run, runs = blocks * kRuns;
@@ -237,18 +260,12 @@ void pair_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
   }
 }
 
-#else  // never called: check() refuses first
-
-constexpr int kMaxRows = 1;
-void panel_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
-void pair_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
-
-#endif  // ASYNCLLM_CPU_GEMM
-
-// x's rows [m0, m1) into `packed` as panel_rows blocks them, each block [K][rows], so that a
-// block's broadcasts read consecutive floats; returns g with x the packed rows (the block of
-// rows from m0 + start at x + start * K)
-Gemm pack_rows(const Gemm& g, int64_t m0, int64_t m1, std::vector<float>& packed) {
+// x's rows [m0, m1) as the blocks read them: with kPackedRows copied into `packed` as
+// panel_rows blocks them, each block [K][rows], so that a block's broadcasts read consecutive
+// floats, and g returned with x the copy (the block of rows from m0 + start at x + start * K);
+// else g as it is
+Gemm blocked_rows(const Gemm& g, int64_t m0, int64_t m1, std::vector<float>& packed) {
+  if (!Simd::kPackedRows) return g;
   const int64_t rows = m1 - m0, blocks = (rows + kMaxRows - 1) / kMaxRows;
   packed.resize(rows * g.K);
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
@@ -265,6 +282,15 @@ Gemm pack_rows(const Gemm& g, int64_t m0, int64_t m1, std::vector<float>& packed
   return blocked;
 }
 
+#else  // never called: check() refuses first
+
+constexpr int kMaxRows = 1;
+void panel_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
+void pair_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
+Gemm blocked_rows(const Gemm& g, int64_t, int64_t, std::vector<float>&) { return g; }
+
+#endif  // ASYNCLLM_CPU_GEMM
+
 // One thread's panels [p0, p1) for every row, the rows in chunks that stay in L2.
 template <class Rows>
 void thread_panels(const Gemm& g, int64_t M, int64_t p0, int64_t p1, Rows rows) {
@@ -272,7 +298,7 @@ void thread_panels(const Gemm& g, int64_t M, int64_t p0, int64_t p1, Rows rows) 
   std::vector<float> packed;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m1 = std::min(M, m0 + chunk);
-    const Gemm blocked = pack_rows(g, m0, m1, packed);
+    const Gemm blocked = blocked_rows(g, m0, m1, packed);
     for (int64_t p = p0; p < p1; ++p) rows(blocked, m0, m1, p, p + 1 < p1 ? p + 1 : -1);
   }
 }
