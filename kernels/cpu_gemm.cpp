@@ -41,10 +41,10 @@ struct Gemm {
 // rows (28 accumulators of its 32 registers); half a panel with AVX2, for up to 6 rows (12
 // accumulators, the 2 weight vectors and a broadcast of its 16).
 // kPackedRows and kSpreadPrefetch: the AVX2 build copies x's rows into its blocks' [K][rows]
-// layout and spreads the next panel's prefetch over every block run (each 1.3-1.5x on a Zen 3
+// layout and spreads the next panel's prefetch over every block run (each 1.2-1.5x on a Zen 3
 // streaming 30 layers' weights, bench/NOTES.md); the AVX-512 build reads x in place and
 // prefetches the next panel in the first block run, as it did when measured at the floor's
-// rate on the Zen 4 (the AVX2 scheme ran 1.5-2.6x slower on an AVX-512 Xeon).
+// rate on the Zen 4 (the AVX2 scheme ran 1.5-2.4x slower on an AVX-512 Xeon).
 #ifdef __AVX512F__
 struct Simd {
   using V = __m512;
