@@ -6,11 +6,12 @@ noise being other processes' use of the shared L3 and memory bandwidth. Each fig
 minimum over interleaved rounds of every variant.
 
 Variants per projection of SmolLM2-135M (x [rows, in] @ W.T): the engine's fp32 GEMM on
-panels (kernels/cpu_gemm.cpp, where this CPU has AVX-512 or AVX2), the oneDNN-packed fp32 weight
-(the engine's where it has neither), F.linear (MKL), fbgemm's dynamically quantized int8 linear (per-channel int8 weights,
-activations quantized per call), bf16 F.linear, and the engine's `--dtype bfloat16` on CPU: the
-oneDNN-packed bf16 weight, fp32 activations cast to bf16 and the output back to fp32. Also the square fp32 matmul rate the CPU floor
-of bench/throughput.py uses, and the C++ paged decode attention on one layer.
+panels (kernels/cpu_gemm.cpp, where this CPU has AVX-512 or AVX2), the oneDNN-packed fp32
+weight (the engine's where it has neither), F.linear (MKL), fbgemm's dynamically quantized int8
+linear (per-channel int8 weights, activations quantized per call), bf16 F.linear, and, where
+oneDNN has bf16 GEMMs, the engine's `--dtype bfloat16` on CPU: the oneDNN-packed bf16 weight,
+fp32 activations cast to bf16 and the output back to fp32. Also the square fp32 matmul rate
+the CPU floor of bench/throughput.py uses, and the C++ paged decode attention on one layer.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def linear_variants(weight: torch.Tensor, x: torch.Tensor) -> dict:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
     int8 = int8_weight(weight)
     weight_bf16, x_bf16 = weight.bfloat16(), x.bfloat16()
-    variants = {"cpu_gemm_fp32": None} if cpu_gemm_available() else {}
-    if variants:
+    variants = {}
+    if cpu_gemm_available():
         panels = pack_cpu_gemm_weight(weight)
         variants["cpu_gemm_fp32"] = lambda: cpu_gemm(x, panels, None)
     variants |= {

@@ -34,7 +34,6 @@ from test_quant_checkpoints import load_ours, our_logits
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.layers.quantization import cpu_bf16
-from asyncllm.layers.quantization.cpu_bf16 import onednn_bf16
 from bench.gptq_checkpoint import write_gptq
 
 TEXT = Path(__file__).resolve().parent / "data" / "quant_agreement_text.md"
@@ -43,7 +42,7 @@ GROUP = 32
 
 
 ONEDNN_BF16 = pytest.mark.skipif(
-    not onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
+    not cpu_bf16.onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
 )
 
 
