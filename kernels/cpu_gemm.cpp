@@ -216,6 +216,11 @@ const float* panel_at(const Gemm& g, int64_t p) { return g.w + p * g.K * kPanel;
 
 constexpr int64_t kRuns = kPanel / kBlockColumns;  // block runs a row block takes a panel in
 
+// Rows split into blocks of at most kMaxRows rows of about equal size: how many, and where
+// block b ends (panel_rows, pair_rows and blocked_rows split them alike)
+int64_t row_blocks(int64_t rows) { return (rows + kMaxRows - 1) / kMaxRows; }
+int64_t block_end(int64_t rows, int64_t blocks, int64_t b) { return rows * (b + 1) / blocks; }
+
 // x's block of rows from m0 + start: blocked_rows' copy (kPackedRows), else x's own rows
 const float* block_rows(const Gemm& g, int64_t m0, int64_t start) {
   return Simd::kPackedRows ? g.x + start * g.K : g.x + (m0 + start) * g.ldx;
@@ -224,10 +229,10 @@ const float* block_rows(const Gemm& g, int64_t m0, int64_t start) {
 // Rows [m0, m1) in blocks of at most kMaxRows rows of about equal size, each times panel p to
 // y's columns from p * 32, prefetching panel `next` (-1: none).
 void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
-  const int64_t rows = m1 - m0, blocks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t rows = m1 - m0, blocks = row_blocks(rows);
   const float* ahead = next >= 0 ? panel_at(g, next) : nullptr;
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
-    const int64_t end = rows * (b + 1) / blocks;
+    const int64_t end = block_end(rows, blocks, b);
     for (int64_t run = 0; run < kRuns; ++run) {
       kBlocks<Epilogue::kBias>[end - start - 1](
           g, block_rows(g, m0, start), panel_at(g, p), g.y + (m0 + start) * g.ldy, p * kPanel,
@@ -240,13 +245,13 @@ void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) 
 // The same for the gate panel p and its up panel p + half, silu(gate) * up to y's columns from
 // p * 32, each block's gate sums held in a tile until its up sums are done.
 void pair_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
-  const int64_t rows = m1 - m0, blocks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t rows = m1 - m0, blocks = row_blocks(rows);
   const int64_t half = g.ldy / kPanel;
   const float* gate_ahead = next >= 0 ? panel_at(g, next) : nullptr;
   const float* up_ahead = next >= 0 ? panel_at(g, next + half) : nullptr;
   alignas(64) float tile[kMaxRows * kPanel];
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
-    const int64_t end = rows * (b + 1) / blocks;
+    const int64_t end = block_end(rows, blocks, b);
     const float* x = block_rows(g, m0, start);
     float* y = g.y + (m0 + start) * g.ldy;
     for (int64_t run = 0; run < kRuns; ++run) {
@@ -266,10 +271,10 @@ void pair_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
 // else g as it is
 Gemm blocked_rows(const Gemm& g, int64_t m0, int64_t m1, std::vector<float>& packed) {
   if (!Simd::kPackedRows) return g;
-  const int64_t rows = m1 - m0, blocks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t rows = m1 - m0, blocks = row_blocks(rows);
   packed.resize(rows * g.K);
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
-    const int64_t end = rows * (b + 1) / blocks, n = end - start;
+    const int64_t end = block_end(rows, blocks, b), n = end - start;
     float* block = packed.data() + start * g.K;
     for (int64_t r = 0; r < n; ++r) {
       const float* row = g.x + (m0 + start + r) * g.ldx;
