@@ -1,7 +1,8 @@
 """The fp32 CPU GEMM as a decode step streams it: the default model's 30 layers of projections,
 each layer's weights distinct (425 MB, so they come from DRAM as in the engine), run in order at
 a few row counts; GFLOP/s of asyncllm's GEMM on panels (kernels/cpu_gemm.cpp, with gate/up's
-SiLU-and-mul) against oneDNN's packed weights, the best of 5 passes each.
+SiLU-and-mul), its weights in fp32 and in bf16 (the bf16 mode without bf16 dot products),
+against oneDNN's packed fp32 weights, the best of 5 passes each.
 
     python bench/cpu_gemm_chain.py --threads 2 --out bench/results/cpu_gemm_chain_zen3_avx2.json
 
@@ -37,8 +38,10 @@ LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
-def ours(weights: list[list[torch.Tensor]]) -> Callable[[list[torch.Tensor]], None]:
-    panels = [[pack_cpu_gemm_weight(w) for w in layer] for layer in weights]
+def ours(
+    weights: list[list[torch.Tensor]], dtype: torch.dtype
+) -> Callable[[list[torch.Tensor]], None]:
+    panels = [[pack_cpu_gemm_weight(w.to(dtype)) for w in layer] for layer in weights]
 
     def run(xs: list[torch.Tensor]) -> None:
         for qkv, o, gate_up, down in panels:
@@ -82,7 +85,10 @@ def main() -> None:
     weights = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     variants = {"onednn_fp32": onednn(weights)}
     if cpu_gemm_available():
-        variants = {"cpu_gemm_fp32": ours(weights)} | variants
+        variants = {
+            "cpu_gemm_fp32": ours(weights, torch.float32),
+            "cpu_gemm_bf16": ours(weights, torch.bfloat16),
+        } | variants
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     for m in rows:

@@ -1,6 +1,7 @@
 // The fp32 linear layers' GEMM on CPU with AVX-512 or AVX2: y [M, N] = x [M, K] @ W^T (+ bias),
 // W packed as panels of 32 columns, [N / 32][K][32], each panel read once from memory in address
-// order. At decode's 8-32 rows oneDNN's packed GEMM waited on the weights' reads from memory;
+// order. W is float32, or bfloat16 widened to float32 as it is loaded (the bf16 mode on a CPU
+// without bf16 dot products: half the weight bytes, the same float32 arithmetic). At decode's 8-32 rows oneDNN's packed GEMM waited on the weights' reads from memory;
 // here the next panel is prefetched into L2 while this one is computed (the offline fp32
 // workload 1.21x on the Zen 4: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json).
 // x's rows are copied once a call into the blocks the kernel takes them in, each block's K
@@ -29,7 +30,7 @@ constexpr int64_t kChunkFloats = 96 * 1024;  // rows of x a thread keeps in L2 a
 struct Gemm {
   const float* x;  // [M, K] rows ldx apart; in panel_rows and pair_rows, blocked_rows'
   int64_t ldx;
-  const float* w;  // [N / 32][K][32]
+  const void* w;  // [N / 32][K][32], float32 or bfloat16
   const float* bias;  // [N] or null
   float* y;
   int64_t ldy, K;
@@ -54,6 +55,11 @@ struct Simd {
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float a) { return _mm512_set1_ps(a); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  // a bf16's bits are the upper half of the float32 it rounds
+  static V load(const c10::BFloat16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
   static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
@@ -78,6 +84,10 @@ struct Simd {
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float a) { return _mm256_set1_ps(a); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
   static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
@@ -129,6 +139,7 @@ V silu_mul(V gate, V up) {
 // each of a panel's runs takes the next panel's lines in turn, so the whole panel is requested
 // while this one is computed, not in a burst over the first run (which left a Zen 3 thread
 // streaming the weights from DRAM at 4 GB/s, bench/NOTES.md).
+template <class T>
 struct Prefetch {
   const char* line;  // without kSpreadPrefetch: the next panel, whose k-th row step k takes
   int64_t lines, steps, due = 0;
@@ -139,22 +150,22 @@ struct Prefetch {
         _mm_prefetch(line, _MM_HINT_T1);
       }
     } else if (line) {
-      const char* row = line + k * kPanel * sizeof(float);
-      _mm_prefetch(row, _MM_HINT_T1);
-      _mm_prefetch(row + 64, _MM_HINT_T1);
+      const char* row = line + k * kPanel * sizeof(T);
+      for (size_t b = 0; b < kPanel * sizeof(T); b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
     }
   }
 };
 
 // Run `run` of `runs` over a panel: its share of `next` (null: nothing to prefetch); without
 // kSpreadPrefetch the first run takes it all
-Prefetch share(const Gemm& g, const float* next, int64_t run, int64_t runs) {
+template <class T>
+Prefetch<T> share(const Gemm& g, const T* next, int64_t run, int64_t runs) {
   if (!Simd::kSpreadPrefetch) {
     if (run > 0) next = nullptr;
     runs = 1;
   }
   if (!next) return {nullptr, 0, g.K};
-  const int64_t lines = g.K * kPanel * sizeof(float) / 64;
+  const int64_t lines = g.K * kPanel * sizeof(T) / 64;
   const int64_t first = lines * run / runs, last = lines * (run + 1) / runs;
   return {reinterpret_cast<const char*>(next) + first * 64, last - first, g.K};
 }
@@ -162,9 +173,9 @@ Prefetch share(const Gemm& g, const float* next, int64_t run, int64_t runs) {
 // The rows [0, ROWS) of x from `x` (with kPackedRows [K][ROWS], as blocked_rows copies them)
 // times the panel's columns [c, c + kBlockColumns), to y at column `col` + c (or to `tile`,
 // ROWS x 32, at c), prefetching its share of the next panel.
-template <Epilogue E, int ROWS>
-void panel_block(const Gemm& g, const float* x, const float* panel, float* y, int64_t col,
-                 int64_t c, Prefetch ahead, float* tile) {
+template <Epilogue E, class T, int ROWS>
+void panel_block(const Gemm& g, const float* x, const T* panel, float* y, int64_t col,
+                 int64_t c, Prefetch<T> ahead, float* tile) {
   constexpr int W = Simd::kWidth;
   V lo[ROWS], hi[ROWS];
   for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Simd::zero();
@@ -201,18 +212,22 @@ void panel_block(const Gemm& g, const float* x, const float* panel, float* y, in
   }
 }
 
-using BlockFn = void (*)(const Gemm&, const float*, const float*, float*, int64_t, int64_t,
-                         Prefetch, float*);
+template <class T>
+using BlockFn = void (*)(const Gemm&, const float*, const T*, float*, int64_t, int64_t,
+                         Prefetch<T>, float*);
 
-template <Epilogue E, int... I>
-constexpr std::array<BlockFn, sizeof...(I)> block_table(std::integer_sequence<int, I...>) {
-  return {panel_block<E, I + 1>...};
+template <Epilogue E, class T, int... I>
+constexpr std::array<BlockFn<T>, sizeof...(I)> block_table(std::integer_sequence<int, I...>) {
+  return {panel_block<E, T, I + 1>...};
 }
 
-template <Epilogue E>
-const auto kBlocks = block_table<E>(std::make_integer_sequence<int, kMaxRows>{});
+template <Epilogue E, class T>
+const auto kBlocks = block_table<E, T>(std::make_integer_sequence<int, kMaxRows>{});
 
-const float* panel_at(const Gemm& g, int64_t p) { return g.w + p * g.K * kPanel; }
+template <class T>
+const T* panel_at(const Gemm& g, int64_t p) {
+  return static_cast<const T*>(g.w) + p * g.K * kPanel;
+}
 
 constexpr int64_t kRuns = kPanel / kBlockColumns;  // block runs a row block takes a panel in
 
@@ -228,14 +243,15 @@ const float* block_rows(const Gemm& g, int64_t m0, int64_t start) {
 
 // Rows [m0, m1) in blocks of at most kMaxRows rows of about equal size, each times panel p to
 // y's columns from p * 32, prefetching panel `next` (-1: none).
+template <class T>
 void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
   const int64_t rows = m1 - m0, blocks = row_blocks(rows);
-  const float* ahead = next >= 0 ? panel_at(g, next) : nullptr;
+  const T* ahead = next >= 0 ? panel_at<T>(g, next) : nullptr;
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
     const int64_t end = block_end(rows, blocks, b);
     for (int64_t run = 0; run < kRuns; ++run) {
-      kBlocks<Epilogue::kBias>[end - start - 1](
-          g, block_rows(g, m0, start), panel_at(g, p), g.y + (m0 + start) * g.ldy, p * kPanel,
+      kBlocks<Epilogue::kBias, T>[end - start - 1](
+          g, block_rows(g, m0, start), panel_at<T>(g, p), g.y + (m0 + start) * g.ldy, p * kPanel,
           run * kBlockColumns, share(g, ahead, b * kRuns + run, blocks * kRuns), nullptr);
     }
     start = end;
@@ -244,11 +260,12 @@ void panel_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) 
 
 // The same for the gate panel p and its up panel p + half, silu(gate) * up to y's columns from
 // p * 32, each block's gate sums held in a tile until its up sums are done.
+template <class T>
 void pair_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
   const int64_t rows = m1 - m0, blocks = row_blocks(rows);
   const int64_t half = g.ldy / kPanel;
-  const float* gate_ahead = next >= 0 ? panel_at(g, next) : nullptr;
-  const float* up_ahead = next >= 0 ? panel_at(g, next + half) : nullptr;
+  const T* gate_ahead = next >= 0 ? panel_at<T>(g, next) : nullptr;
+  const T* up_ahead = next >= 0 ? panel_at<T>(g, next + half) : nullptr;
   alignas(64) float tile[kMaxRows * kPanel];
   for (int64_t b = 0, start = 0; b < blocks; ++b) {
     const int64_t end = block_end(rows, blocks, b);
@@ -256,10 +273,11 @@ void pair_rows(const Gemm& g, int64_t m0, int64_t m1, int64_t p, int64_t next) {
     float* y = g.y + (m0 + start) * g.ldy;
     for (int64_t run = 0; run < kRuns; ++run) {
       const int64_t c = run * kBlockColumns, index = b * kRuns + run, runs = blocks * kRuns;
-      kBlocks<Epilogue::kGate>[end - start - 1](g, x, panel_at(g, p), y, p * kPanel, c,
-                                                share(g, gate_ahead, index, runs), tile);
-      kBlocks<Epilogue::kSiluMul>[end - start - 1](g, x, panel_at(g, p + half), y, p * kPanel,
-                                                   c, share(g, up_ahead, index, runs), tile);
+      kBlocks<Epilogue::kGate, T>[end - start - 1](g, x, panel_at<T>(g, p), y, p * kPanel, c,
+                                                   share(g, gate_ahead, index, runs), tile);
+      kBlocks<Epilogue::kSiluMul, T>[end - start - 1](g, x, panel_at<T>(g, p + half), y,
+                                                      p * kPanel, c,
+                                                      share(g, up_ahead, index, runs), tile);
     }
     start = end;
   }
@@ -290,7 +308,9 @@ Gemm blocked_rows(const Gemm& g, int64_t m0, int64_t m1, std::vector<float>& pac
 #else  // never called: check() refuses first
 
 constexpr int kMaxRows = 1;
+template <class T>
 void panel_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
+template <class T>
 void pair_rows(const Gemm&, int64_t, int64_t, int64_t, int64_t) {}
 Gemm blocked_rows(const Gemm& g, int64_t, int64_t, std::vector<float>&) { return g; }
 
@@ -320,8 +340,9 @@ void check(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(supported(), "cpu_gemm: built without AVX-512 or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "cpu_gemm: x is float32 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
-                  packed.scalar_type() == torch::kFloat,
-              "cpu_gemm: the weight is packed [N / 32][K][32]");
+                  (packed.scalar_type() == torch::kFloat ||
+                   packed.scalar_type() == torch::kBFloat16),
+              "cpu_gemm: the weight is float32 or bfloat16 packed [N / 32][K][32]");
   TORCH_CHECK(packed.size(1) == x.size(1), "cpu_gemm: x's columns are not the weight's K");
 }
 
@@ -331,7 +352,7 @@ torch::Tensor run(torch::Tensor x, const torch::Tensor& packed, const float* bia
                   int64_t columns, int64_t panels, Rows rows) {
   if (x.stride(1) != 1) x = x.contiguous();
   auto y = torch::empty({x.size(0), columns}, x.options());
-  const Gemm g{x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), bias,
+  const Gemm g{x.data_ptr<float>(), x.stride(0), packed.data_ptr(), bias,
                y.data_ptr<float>(), columns, x.size(1)};
   if (x.size(0) > 0) {
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -349,7 +370,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
                     bias->numel() == N,
                 "cpu_gemm: the bias is float32 [N]");
   }
-  return run(x, packed, bias ? bias->data_ptr<float>() : nullptr, N, panels, panel_rows);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (packed.scalar_type() == torch::kBFloat16) {
+    return run(x, packed, b, N, panels, panel_rows<c10::BFloat16>);
+  }
+  return run(x, packed, b, N, panels, panel_rows<float>);
 }
 
 // silu(x @ gate^T) * (x @ up^T) for the weight [gate | up] packed: [M, N / 2]
@@ -357,7 +382,10 @@ torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor packed) {
   check(x, packed);
   TORCH_CHECK(packed.size(0) % 2 == 0, "cpu_gemm: gate and up are whole panels each");
   const int64_t half = packed.size(0) / 2;
-  return run(x, packed, nullptr, half * kPanel, half, pair_rows);
+  if (packed.scalar_type() == torch::kBFloat16) {
+    return run(x, packed, nullptr, half * kPanel, half, pair_rows<c10::BFloat16>);
+  }
+  return run(x, packed, nullptr, half * kPanel, half, pair_rows<float>);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
-"""The fp32 linear layers' GEMM on CPU with AVX-512 (kernels/cpu_gemm.cpp): weights packed in
-panels of 32 output columns, the next panel prefetched while one is computed; and the MLP's
-gate/up GEMM with SiLU-and-mul on its sums."""
+"""The fp32 linear layers' GEMM on CPU with AVX-512 or AVX2 (kernels/cpu_gemm.cpp): weights
+packed in panels of 32 output columns, the next panel prefetched while one is computed; and the
+MLP's gate/up GEMM with SiLU-and-mul on its sums. The weights are float32 or bfloat16, which the
+kernel widens to float32 as it loads them."""
 
 from __future__ import annotations
 
@@ -17,23 +18,26 @@ PANEL = 32
 
 @functools.cache
 def cpu_gemm_available() -> bool:
-    """Built and loaded once, and compiled with AVX-512 (without it oneDNN's GEMM stays)."""
+    """Built and loaded once, and compiled with AVX-512, or AVX2 and FMA (without them oneDNN's
+    GEMM stays)."""
     return load_extension(SOURCE, "oneDNN's GEMM") and torch.ops.asyncllm_cpu_gemm.supported()
 
 
 def cpu_gemm_fits(weight: torch.Tensor) -> bool:
-    """A float32 CPU weight [N, K] whose N is whole panels, on a machine with the kernel."""
+    """A CPU weight [N, K] whose N is whole panels, on a machine with the kernel."""
     return weight.shape[0] % PANEL == 0 and cpu_gemm_available()
 
 
 def pack_cpu_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N / 32, K, 32]: a panel's 32 columns of each k side by side."""
+    """[N, K] -> [N / 32, K, 32] in the weight's dtype (float32 or bfloat16): a panel's 32
+    columns of each k side by side."""
     n, k = weight.shape
     return weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
 def cpu_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) in float32 for W packed by pack_cpu_gemm_weight."""
+    """x [M, K] @ W^T (+ bias) in float32 (x and bias float32) for W packed by
+    pack_cpu_gemm_weight."""
     return torch.ops.asyncllm_cpu_gemm.linear(x, packed, bias)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.layers.norm import RMSNorm, fused_add_rms_norm
-from asyncllm.layers.quantization.cpu_bf16 import onednn_bf16
+from asyncllm.layers.quantization import base
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
 from kernels.cpu_layer_ops import (
     cpu_layer_ops_available,
@@ -20,7 +20,7 @@ from kernels.cpu_layer_ops import (
 )
 
 ONEDNN_BF16 = pytest.mark.skipif(
-    not onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
+    not base.onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
 )
 
 
@@ -171,10 +171,13 @@ def refine_top_logits_by_torch(logits, hidden, weight, margin):
 
 
 @ONEDNN_BF16
-def test_bf16_mode_lm_head_refines_its_top_logits_from_its_own_float32_weight() -> None:
-    """An untied lm_head in the bf16 mode: packed in bf16, its float32 parameter kept; the
-    logits within the margin of each row's largest are the float32 dot products, the others
-    the bf16 GEMM's, and the argmax is fp32's."""
+def test_bf16_mode_lm_head_refines_its_top_logits_from_its_own_float32_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An untied lm_head in the bf16 mode (oneDNN's GEMM, as on a CPU with bf16 dot products):
+    packed in bf16, its float32 parameter kept; the logits within the margin of each row's
+    largest are the float32 dot products, the others the bf16 GEMM's, and the argmax is fp32's."""
+    monkeypatch.setattr(base, "native_bf16", lambda: True)
     from asyncllm.layers.quantization.cpu_bf16 import REFINE_MARGIN, CpuBf16Config
     from asyncllm.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -197,10 +200,14 @@ def test_bf16_mode_lm_head_refines_its_top_logits_from_its_own_float32_weight() 
 
 
 @ONEDNN_BF16
-def test_bf16_mode_mlp_keeps_gate_up_in_bf16_and_returns_float32() -> None:
-    """The bf16 mode's MLP: gate_up's GEMM output goes to the SiLU-and-mul as bf16 and the
-    down projection's output comes back in float32: bf16 operands, float32 sums, each GEMM's
-    output rounded to bf16 (within a rounding of the sums' order)."""
+def test_bf16_mode_mlp_keeps_gate_up_in_bf16_and_returns_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bf16 mode's MLP in oneDNN's GEMMs (a CPU with bf16 dot products): gate_up's GEMM
+    output goes to the SiLU-and-mul as bf16 and the down projection's output comes back in
+    float32: bf16 operands, float32 sums, each GEMM's output rounded to bf16 (within a rounding
+    of the sums' order)."""
+    monkeypatch.setattr(base, "native_bf16", lambda: True)
     from asyncllm.layers.quantization.cpu_bf16 import CpuBf16Config
     from asyncllm.models.llama import MLP
 

@@ -1,4 +1,4 @@
-"""Packed linear layers (the AVX-512 kernel's panels or oneDNN's layout) compute what F.linear
+"""Packed linear layers (the CPU GEMM's panels or oneDNN's layout) compute what F.linear
 computes."""
 
 import pytest
@@ -12,15 +12,15 @@ from asyncllm.layers.linear import (
     process_weights_after_loading,
     warm_up_packed_linears,
 )
+from asyncllm.layers.quantization import base
 from asyncllm.layers.quantization.base import UnquantizedLinearMethod, padded_rows
-from asyncllm.layers.quantization.cpu_bf16 import onednn_bf16
 from kernels.cpu_gemm import PANEL, cpu_gemm_available
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
 ONEDNN_BF16 = pytest.mark.skipif(
-    not onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
+    not base.onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
 )
 
 
@@ -35,7 +35,7 @@ def random_linear(input_size: int, output_size: int, bias: bool = True) -> Repli
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 17, 64, 333])
 def test_packed_linear_matches_linear(output_size: int, bias: bool, rows: int) -> None:
-    """Whole panels of outputs go to the AVX-512 kernel where it runs, the rest to oneDNN."""
+    """Whole panels of outputs go to the CPU GEMM where it runs, the rest to oneDNN."""
     torch.manual_seed(0)
     linear = random_linear(96, output_size, bias)
     x = torch.randn(rows, 96)
@@ -46,15 +46,24 @@ def test_packed_linear_matches_linear(output_size: int, bias: bool, rows: int) -
     torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def bf16_linear(bias: bool, output_size: int = 160) -> ReplicatedLinear:
+    linear = random_linear(96, output_size, bias)
+    linear.quant_method = UnquantizedLinearMethod(torch.bfloat16)
+    return linear
+
+
 @ONEDNN_BF16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 17, 333])
-def test_bf16_packed_linear_takes_and_gives_float32(bias: bool, rows: int) -> None:
-    """--dtype bfloat16 on CPU: the input and weight rounded to bf16, fp32 sums, an output
-    rounded to bf16 and returned in fp32 with the bias added there."""
+def test_bf16_packed_linear_takes_and_gives_float32(
+    bias: bool, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dtype bfloat16 on a CPU with bf16 dot products: oneDNN's GEMM, the input and weight
+    rounded to bf16, fp32 sums, an output rounded to bf16 and returned in fp32 with the bias
+    added there."""
+    monkeypatch.setattr(base, "native_bf16", lambda: True)
     torch.manual_seed(0)
-    linear = random_linear(96, 160, bias)
-    linear.quant_method = UnquantizedLinearMethod(torch.bfloat16)
+    linear = bf16_linear(bias)
     x = torch.randn(rows, 96)
     expected = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
     process_weights_after_loading(linear)
@@ -62,6 +71,40 @@ def test_bf16_packed_linear_takes_and_gives_float32(bias: bool, rows: int) -> No
     out = linear(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.skipif(not cpu_gemm_available(), reason="needs AVX-512, or AVX2 and FMA")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 17, 333])
+def test_bf16_weights_without_bf16_dot_products_go_to_the_cpu_gemm(
+    bias: bool, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dtype bfloat16 on a CPU without bf16 dot products (AVX2 alone, or AVX-512 without
+    AVX512_BF16): the CPU GEMM's bf16 panels, the input and the sums in fp32."""
+    monkeypatch.setattr(base, "native_bf16", lambda: False)
+    torch.manual_seed(0)
+    linear = bf16_linear(bias)
+    x = torch.randn(rows, 96)
+    expected = F.linear(x, linear.weight.bfloat16().float(), linear.bias)
+    process_weights_after_loading(linear)
+    assert linear.cpu_gemm_packed and linear.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_weight_that_is_not_whole_panels_stays_float32_without_onednn_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AVX2 alone: 150 outputs are not whole panels and oneDNN has no bf16 GEMM there, so the
+    weight keeps float32 in oneDNN's layout rather than fail in its first GEMM."""
+    monkeypatch.setattr(base, "native_bf16", lambda: False)
+    monkeypatch.setattr(base, "onednn_bf16", lambda: False)
+    torch.manual_seed(0)
+    linear = bf16_linear(bias=True, output_size=150)
+    x = torch.randn(17, 96)
+    expected = F.linear(x, linear.weight, linear.bias)
+    process_weights_after_loading(linear)
+    assert linear.onednn_packed and linear.weight.dtype == torch.float32
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_packing_covers_nested_linears_and_keeps_the_rest() -> None:

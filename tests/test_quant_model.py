@@ -35,14 +35,20 @@ from test_quant_checkpoints import load_ours, our_logits
 from asyncllm import LLM, SamplingParams
 from asyncllm.layers.quantization import cpu_bf16
 from bench.gptq_checkpoint import write_gptq
+from kernels.cpu_gemm import cpu_gemm_available
 
 TEXT = Path(__file__).resolve().parent / "data" / "quant_agreement_text.md"
 POSITIONS = 300
 GROUP = 32
 
 
-ONEDNN_BF16 = pytest.mark.skipif(
-    not cpu_bf16.onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 alone)"
+BF16_MODE = pytest.mark.skipif(
+    not (cpu_bf16.onednn_bf16() or cpu_gemm_available()),
+    reason="neither oneDNN's bf16 GEMM nor the CPU GEMM (AVX2 and FMA) runs on this CPU",
+)
+NATIVE_BF16 = pytest.mark.skipif(
+    not cpu_bf16.native_bf16(),
+    reason="oneDNN runs the bf16 mode where the CPU has bf16 dot products",
 )
 
 
@@ -81,12 +87,15 @@ def test_int8_at_load_agrees_with_the_unquantized_model(
     assert share >= 0.72
 
 
-@ONEDNN_BF16
+@BF16_MODE
 def test_bfloat16_on_cpu_agrees_with_float32(default_model_dir, text_ids, reference_top1) -> None:
     """--dtype bfloat16 on CPU: bf16 weights (the tied lm_head's own packed copy too) and KV
-    cache, float32 activations and logits."""
+    cache, float32 activations and logits; in oneDNN's layout where the CPU has bf16 dot
+    products, else in the CPU GEMM's panels."""
     model = load_ours(default_model_dir, dtype="bfloat16")
-    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.onednn_packed
+    layout = "onednn_packed" if cpu_bf16.native_bf16() else "cpu_gemm_packed"
+    assert model.lm_head.weight.dtype == torch.bfloat16 and getattr(model.lm_head, layout)
+    assert getattr(model.layers[0].mlp.gate_up_proj, layout)
     # its top logits are refined from the tied embedding's float32 rows, not a copy
     assert model.lm_head.float32_weight is model.embed_tokens.weight
     assert model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
@@ -98,7 +107,7 @@ def test_bfloat16_on_cpu_agrees_with_float32(default_model_dir, text_ids, refere
     assert share >= 0.99
 
 
-@ONEDNN_BF16
+@NATIVE_BF16
 def test_bfloat16_on_cpu_keeps_o_proj_and_down_outputs_in_bf16_with_equal_logits(
     default_model_dir, text_ids
 ) -> None:
@@ -154,7 +163,7 @@ def test_fp8_at_load_answers_the_readme_question(default_model_dir) -> None:
     assert "Paris" in readme_answer(default_model_dir, "fp8")
 
 
-@ONEDNN_BF16
+@BF16_MODE
 def test_bfloat16_on_cpu_answers_the_readme_question_as_float32_does(default_model_dir) -> None:
     """Its two likeliest first tokens are 0.04 apart: with the bf16 lm_head's logits alone the
     mode answered "L'Étoile, la Marseillaise, ..."; the refined top logits keep fp32's answer."""
@@ -166,11 +175,12 @@ def test_gptq_4bit_answers_the_readme_question(gptq_dir) -> None:
     assert "Paris" in readme_answer(gptq_dir, None)
 
 
-def test_bfloat16_on_a_cpu_without_onednn_bf16_is_refused_at_load(
+def test_bfloat16_on_a_cpu_without_a_bf16_gemm_is_refused_at_load(
     default_model_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """AVX2 alone: oneDNN neither packs nor multiplies bf16, so the mode fails at load with a
-    message that names what it needs and the float32 default, not in the first GEMM."""
-    monkeypatch.setattr(cpu_bf16, "onednn_bf16", lambda: False)
-    with pytest.raises(ValueError, match=r"AVX-512 \(BW, VL and DQ\) or AVX-NE-CONVERT.*float32"):
+    """Neither the CPU GEMM (no AVX2 and FMA) nor oneDNN's bf16 GEMM: the mode fails at load
+    with a message that names what it needs and the float32 default, not in the first GEMM."""
+    for name in ("native_bf16", "cpu_gemm_available", "onednn_bf16"):
+        monkeypatch.setattr(cpu_bf16, name, lambda: False)
+    with pytest.raises(ValueError, match=r"AVX2 and FMA.*AVX-512 BW, VL and DQ.*float32"):
         load_ours(default_model_dir, dtype="bfloat16")

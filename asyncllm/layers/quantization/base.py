@@ -5,9 +5,10 @@ parameters the checkpoint fills, repack them once loaded, run the GEMM.
 
 The unquantized method keeps the fast paths of full-precision weights: batch-1 decode on CUDA
 goes through kernels.gemv; fp32 weights on CPU are stored in panels for kernels/cpu_gemm.cpp
-where the CPU has AVX-512 (on the Zen 4 the offline fp32 workload ran 1.21x faster than with
-oneDNN: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json), else in oneDNN's
-own layout.
+where the CPU has AVX-512 or AVX2 (on the Zen 4 the offline fp32 workload ran 1.21x faster than
+with oneDNN: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json), else in oneDNN's
+own layout. bf16 weights (the CPU's bf16 mode) go to oneDNN where the CPU has bf16 dot
+products, else to the same panels in bf16, which the kernel widens to fp32 as it loads them.
 
 At batch 1 on an H200, cuBLAS reads a one-row GEMM's weights at a fraction of the copy
 bandwidth (bench/results/decode_gemv_h200.json). On this project's CPUs oneDNN runs the model's
@@ -92,16 +93,20 @@ class UnquantizedLinearMethod(LinearMethodBase):
         setattr(layer, packed[1], True)
 
     def _pack_cpu_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-        """A float32 CPU weight in the layout of the GEMM that will run it, and that layout's
-        flag: the AVX-512 kernel's panels, else oneDNN's (the bf16 mode's too)."""
+        """A float32 CPU weight in cpu_weight_dtype in the layout of the GEMM that will run it,
+        and that layout's flag: the CPU GEMM's panels, else oneDNN's; bf16 in oneDNN's where
+        the CPU has bf16 dot products (there oneDNN's bf16 GEMM is the faster)."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return None
-        if self.cpu_weight_dtype == torch.float32 and cpu_gemm_fits(weight):
-            return pack_cpu_gemm_weight(weight), "cpu_gemm_packed"
+        dtype = self.cpu_weight_dtype
+        if cpu_gemm_fits(weight) and (dtype == torch.float32 or not native_bf16()):
+            return pack_cpu_gemm_weight(weight.to(dtype)), "cpu_gemm_packed"
         if not torch.backends.mkldnn.is_available():
             return None
-        weight = weight.to(self.cpu_weight_dtype)
-        return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT), "onednn_packed"
+        if not onednn_bf16():  # AVX2 alone: a weight the panels do not take stays float32
+            dtype = torch.float32
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), _ROWS_HINT)
+        return packed, "onednn_packed"
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -136,6 +141,16 @@ def packed_linear(
     # bf16 weights under fp32 activations: the output and its bias in fp32
     out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")[:rows].to(dtype)
     return out if bias is None else out.add_(bias)
+
+
+def native_bf16() -> bool:
+    """The CPU has bf16 dot products (AVX512_BF16 or AMX), which oneDNN's bf16 GEMM runs on."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def onednn_bf16() -> bool:
+    """oneDNN packs and multiplies bf16 on this CPU (it refuses to on AVX2 alone)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def padded_rows(rows: int) -> int:

@@ -1,7 +1,13 @@
 """bf16 weights on CPU, what `--dtype bfloat16` means there: every linear layer's weight (the
-lm_head too) packed in oneDNN's layout in bf16, each GEMM run on its input rounded to bf16 with
-fp32 sums and its output returned in fp32; the residual stream, norms, rotary, softmax and
-logits stay fp32, and the KV cache is bf16 (config.ModelConfig.compute_dtype).
+lm_head too) in bf16, the residual stream, norms, rotary, softmax and logits in fp32, and the KV
+cache in bf16 (config.ModelConfig.compute_dtype). Which GEMM runs the weights:
+- where the CPU has bf16 dot products (AVX512_BF16 or AMX), oneDNN's, in its layout: each
+  GEMM's input rounded to bf16, fp32 sums, the output returned in fp32;
+- elsewhere (AVX2 alone, or AVX-512 without them) kernels/cpu_gemm.cpp's, in its panels: the
+  weights widened to fp32 as they are loaded, the input and the arithmetic fp32, so half the
+  weight bytes of the fp32 default at its FLOP rate (on a Zen 3, 30 layers' weights streamed:
+  1.7x fp32's GFLOP/s at 8 rows, 1.16x at 17, equal from 64;
+  bench/results/cpu_gemm_chain_bf16_zen3_avx2.json).
 
 Why not bf16 throughout, as on a GPU: on the default model, teacher forced over 299 positions
 of real text (bench/quant_agreement_cpu.py), bf16 activations as well gave 97.99% top-1
@@ -16,11 +22,11 @@ fp32 weight (the tied embedding's, else the lm_head's own): one or two dot produ
 the top of the distribution is then as an fp32 lm_head computes it. On that text the bf16
 logits were at most 0.21 from the fp32 ones.
 
-What it needs: native bf16 dot products (AVX512_BF16 or AMX). There this path (casts included)
-ran the default model's projections 1.2-1.6x as fast as the packed fp32 weights at 17 rows and
-1.8-1.9x at 256, one Zen 5 thread (bench/results/cpu_linear_zen5_avx512_loaded.json). Without
-them, on AVX-512, oneDNN emulates them and the engine warns; on a CPU with AVX2 alone oneDNN
-has no bf16 GEMM at all, and the mode is refused at load with a message naming the fp32 default.
+With bf16 dot products oneDNN's path (casts included) ran the default model's projections
+1.2-1.6x as fast as the packed fp32 weights at 17 rows and 1.8-1.9x at 256, one Zen 5 thread
+(bench/results/cpu_linear_zen5_avx512_loaded.json). Without them and without the CPU GEMM
+(no AVX2 and FMA) oneDNN emulates bf16 where it can, and the engine warns; where it cannot either,
+the mode is refused at load with a message naming the fp32 default.
 """
 
 from __future__ import annotations
@@ -31,8 +37,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncllm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
+from asyncllm.layers.quantization.base import (
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    native_bf16,
+    onednn_bf16,
+)
 from asyncllm.layers.quantization.base_config import QuantizationConfig
+from kernels.cpu_gemm import cpu_gemm_available
 from kernels.cpu_layer_ops import cpu_layer_ops_available, refine_top_logits_cpu
 
 logger = logging.getLogger(__name__)
@@ -51,18 +63,19 @@ class CpuBf16Config(QuantizationConfig):
 
     @classmethod
     def for_this_cpu(cls) -> CpuBf16Config:
+        if native_bf16() or cpu_gemm_available():
+            return cls()
         if not onednn_bf16():
             raise ValueError(
-                "--dtype bfloat16 on CPU runs oneDNN's bf16 GEMMs, which need AVX-512 (BW, VL "
-                "and DQ) or AVX-NE-CONVERT, and this CPU has neither: use the default float32 "
-                "(or --quantization int8)"
+                "--dtype bfloat16 on CPU needs AVX2 and FMA (asyncllm's CPU GEMM) or oneDNN's "
+                "bf16 GEMMs (AVX-512 BW, VL and DQ, or AVX-NE-CONVERT), and this CPU has "
+                "neither: use the default float32"
             )
-        if not native_bf16():
-            logger.warning(
-                "--dtype bfloat16 on this CPU: it has no native bf16 dot products (AVX512_BF16 "
-                "or AMX), so its bf16 GEMMs are emulated, several times slower than float32 "
-                "(the default there)"
-            )
+        logger.warning(
+            "--dtype bfloat16 on this CPU: it has no bf16 dot products (AVX512_BF16 or AMX) and "
+            "no AVX2 for asyncllm's CPU GEMM, so oneDNN emulates its bf16 GEMMs, several times "
+            "slower than float32 (the default there)"
+        )
         return cls()
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
@@ -104,12 +117,3 @@ def refine_top_logits(
     rows, columns = (logits >= logits.amax(-1, keepdim=True) - margin).nonzero(as_tuple=True)
     logits[rows, columns] = torch.linalg.vecdot(hidden[rows], weight[columns])
     return logits
-
-
-def native_bf16() -> bool:
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def onednn_bf16() -> bool:
-    """oneDNN packs and multiplies bf16 on this CPU (it refuses to on AVX2 alone)."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
