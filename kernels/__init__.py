@@ -11,6 +11,7 @@ import importlib
 # sets the package's attribute of its name, which would hide the kernel
 _MODULE_OF = {
     "silu_and_mul": "activation",
+    "silu_and_mul_fp8": "activation",
     "reshape_and_cache": "cache",
     "choose_decode_split": "decode_attention",
     "paged_decode_attention": "decode_attention",
@@ -30,6 +31,7 @@ _MODULE_OF = {
     "tile_config": "fused_moe",
     "fused_add_rms_norm": "norm",
     "rms_norm": "norm",
+    "rms_norm_fp8": "norm",
     "paged_prefill_attention": "prefill_attention",
     "rejection_sample": "rejection",
     "norm_rope_and_cache": "qkv_prep",

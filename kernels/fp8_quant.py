@@ -50,8 +50,8 @@ def _quantize_fp8_kernel(
     if ONE_READ:
         k = start + offsets
         x = tl.load(x_ptr + base + k, mask=k < end, other=0.0).to(tl.float32)
-        scale = _group_scale(x, scale_ptr, row, group, fp8_max, min_scale, STATIC)
-        _store_quantized(q_ptr, base, k, end, x, scale, fp8_max)
+        scale = group_scale(x, scale_ptr, row, group, fp8_max, min_scale, STATIC)
+        store_quantized(q_ptr, base, k, end, x, scale, fp8_max)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         if not STATIC:
@@ -59,15 +59,15 @@ def _quantize_fp8_kernel(
                 k = k0 + offsets
                 x = tl.load(x_ptr + base + k, mask=k < end, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-        scale = _group_scale(amax, scale_ptr, row, group, fp8_max, min_scale, STATIC)
+        scale = group_scale(amax, scale_ptr, row, group, fp8_max, min_scale, STATIC)
         for k0 in range(start, end, BLOCK):
             k = k0 + offsets
             x = tl.load(x_ptr + base + k, mask=k < end, other=0.0).to(tl.float32)
-            _store_quantized(q_ptr, base, k, end, x, scale, fp8_max)
+            store_quantized(q_ptr, base, k, end, x, scale, fp8_max)
 
 
 @triton.jit
-def _group_scale(x, scale_ptr, row, group, fp8_max, min_scale, STATIC: tl.constexpr):
+def group_scale(x, scale_ptr, row, group, fp8_max, min_scale, STATIC: tl.constexpr):
     """The static scale, or the group's max |x| over fp8_max (at least min_scale), stored."""
     if STATIC:
         return tl.load(scale_ptr)
@@ -77,7 +77,7 @@ def _group_scale(x, scale_ptr, row, group, fp8_max, min_scale, STATIC: tl.conste
 
 
 @triton.jit
-def _store_quantized(q_ptr, base, k, end, x, scale, fp8_max):
+def store_quantized(q_ptr, base, k, end, x, scale, fp8_max):
     q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
     tl.store(q_ptr + base + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
 

@@ -1,4 +1,5 @@
-"""RMSNorm, alone or with the residual add fused in."""
+"""RMSNorm, alone or with the residual add fused in; and with the FP8 layers' dynamic per-row
+activation quantization fused after it (rms_norm_fp8), when an FP8 GEMM reads the norm's output."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import next_pow2
+from kernels.fp8_quant import FP8_MAX, group_scale, store_quantized
 
 
 @triton.jit
@@ -20,10 +22,16 @@ def _rms_norm_kernel(
     out_stride,
     n_cols,
     eps,
+    scale_ptr,
+    fp8_max,
+    min_scale,
     HAS_RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """out = rms_norm(x [+ residual]) * weight for one row; the sum is written back to residual."""
+    """out = rms_norm(x [+ residual]) * weight for one row; the sum is written back to residual.
+    QUANTIZE: out is e4m3, the normed row rounded to x's dtype and then quantized as
+    kernels.quantize_fp8 quantizes a row (its scale to scale_ptr[row])."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,11 +45,16 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * out_stride + cols,
-        (x * rstd * weight).to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    if QUANTIZE:
+        normed = (x * rstd * weight).to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = group_scale(normed, scale_ptr, row, 0, fp8_max, min_scale, False)
+        store_quantized(out_ptr, row * out_stride, cols, n_cols, normed, scale, fp8_max)
+    else:
+        tl.store(
+            out_ptr + row * out_stride + cols,
+            (x * rstd * weight).to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 def _launch(
@@ -50,6 +63,8 @@ def _launch(
     weight: torch.Tensor,
     out: torch.Tensor,
     eps: float,
+    scales: torch.Tensor | None = None,
+    min_scale: float = 0.0,
 ) -> None:
     n_cols = x.shape[-1]
     rows = x.reshape(-1, n_cols)
@@ -69,7 +84,11 @@ def _launch(
         out_rows.stride(0),
         n_cols,
         eps,
+        out_rows if scales is None else scales,  # read only when quantizing
+        FP8_MAX,
+        min_scale,
         HAS_RESIDUAL=residual is not None,
+        QUANTIZE=scales is not None,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
     )
@@ -92,3 +111,22 @@ def fused_add_rms_norm(
     assert x.shape == residual.shape and x.is_contiguous() and residual.is_contiguous()
     _launch(x, residual, weight, x, eps)
     return x, residual
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    min_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, hidden] e4m3, scales [rows, 1] fp32) of rms_norm(x [+ residual]) * weight in
+    x's dtype, each row quantized as quantize_fp8(..., min_scale=min_scale) would quantize it
+    (bit for bit in 16-bit dtypes; in float32 the sum of squares may differ in its last bit):
+    the norm and an FP8 layer's activation quantization in one launch, without the normed rows
+    written and read back. With residual, x + residual is written into it; x is left as it is."""
+    assert residual is None or (residual.shape == x.shape and residual.is_contiguous())
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(q.numel() // max(x.shape[-1], 1), 1, dtype=torch.float32, device=x.device)
+    _launch(x, residual, weight, q, eps, scales, min_scale)
+    return q, scales

@@ -375,3 +375,59 @@ def test_quantize_fp8_with_a_static_scale(k) -> None:
     ref_scales = static.expand(4, 1)
     assert torch.equal(scales, ref_scales)
     assert torch.equal(q.view(torch.uint8), quantize_with_scale(x, ref_scales).view(torch.uint8))
+
+
+def exact_fp8_rows(k: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose values the interpreter quantizes exactly (see above), the first all zero."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(torch.float8_e4m3fn)
+    x = (x.float() / 8).to(dtype)
+    x[0] = 0.0
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("k", [7, 100, 576, 4096])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_is_the_norm_then_quantize_fp8(k, rows, dtype, with_residual) -> None:
+    """One launch gives what the norm's kernel and then quantize_fp8 give: the summed residual,
+    and for 16-bit activations (the engine's) the FP8 rows and their scales bit for bit (an
+    all-zero row's MIN_SCALE), and under the interpreter for float32 ones too; x is left as it
+    was. On the GPU the two kernels' float32 sums of squares may differ in their last bit (each
+    compiles its reduction), which a scale keeps and a value moves by at most one e4m3 step."""
+    x = exact_fp8_rows(k, rows, dtype)
+    residual = exact_fp8_rows(k, rows, dtype).flip(0).contiguous() if with_residual else None
+    weight = (torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEVICE)
+    x_before = x.clone()
+    fused_residual = residual.clone() if with_residual else None
+    q, scales = kernels.rms_norm_fp8(x, fused_residual, weight, 1e-6, MIN_SCALE)
+    if with_residual:
+        normed, summed = kernels.fused_add_rms_norm(x.clone(), residual, weight, 1e-6)
+        assert torch.equal(fused_residual, summed)
+    else:
+        normed = kernels.rms_norm(x, weight, 1e-6)
+    q_ref, scales_ref = kernels.quantize_fp8(normed, min_scale=MIN_SCALE)
+    assert torch.equal(x, x_before)
+    assert scales.shape == (rows, 1)
+    if not with_residual:
+        assert scales[0].item() == torch.tensor(MIN_SCALE).item()
+    if CUDA and dtype == torch.float32:
+        torch.testing.assert_close(scales, scales_ref, rtol=1e-6, atol=0)
+        ours, theirs = q.float() * scales, q_ref.float() * scales_ref
+        assert ((ours - theirs).abs() <= theirs.abs() / 8 + scales_ref * 2**-9).all()
+    else:
+        assert torch.equal(scales, scales_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("n", [5, 96, 1000, 14336])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_fp8_is_silu_and_mul_then_quantize_fp8(n, dtype) -> None:
+    """Bit for bit, one program a row up to Llama-3.1-8B's 14,336-wide intermediate size; an
+    all-zero row's scale is MIN_SCALE."""
+    x = exact_fp8_rows(2 * n, 3, dtype)
+    q, scales = kernels.silu_and_mul_fp8(x, MIN_SCALE)
+    q_ref, scales_ref = kernels.quantize_fp8(kernels.silu_and_mul(x), min_scale=MIN_SCALE)
+    assert scales.shape == (3, 1) and torch.equal(scales, scales_ref)
+    assert scales[0].item() == torch.tensor(MIN_SCALE).item()
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

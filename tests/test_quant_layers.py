@@ -11,11 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
+import kernels
+from asyncllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    rms_norm_linear,
+    silu_and_mul_linear,
+)
+from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.quantization import get_quantization_config
 from asyncllm.layers.quantization.awq import AWQConfig
 from asyncllm.layers.quantization.cpu_int8 import check_supported
-from asyncllm.layers.quantization.fp8 import FP8, Fp8Config
+from asyncllm.layers.quantization.fp8 import FP8, MIN_SCALE, Fp8Config, Fp8LinearMethod
 from asyncllm.layers.quantization.gptq import GPTQConfig
 from asyncllm.layers.quantization.int4 import pack_int4, unpack_int4
 from bench.gptq_checkpoint import as_int32, gptq_int4, gptq_pack_cols, gptq_pack_rows, rtn_int4
@@ -374,3 +381,48 @@ def test_int8_linear_stays_within_the_activations_rounding() -> None:
 def test_int8_is_refused_off_cpu() -> None:
     with pytest.raises(ValueError, match="--quantization fp8"):
         check_supported(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fp8_layer_takes_rows_quantized_by_the_norm_and_silu_kernels(
+    with_residual: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past one GPU row an FP8 layer's activations are quantized by the kernel before it
+    (kernels.rms_norm_fp8, silu_and_mul_fp8): on the GPU bit for bit what the layer gives when
+    it quantizes the norm's or the SiLU-and-mul's rows itself, with the same residual. On CPU,
+    where the interpreter's casts to e4m3 round otherwise than torch's, the method is told it
+    takes the rows and the outputs are checked against the kernels' rows through apply_fp8."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(3)
+    k, rows = 96, 7
+    with torch.device(device):
+        layer = make_layer(get_quantization_config(None, "fp8"), k, [64, 64], torch.bfloat16)
+        norm = RMSNorm(k, 1e-6)
+    for shard_id, shard in enumerate(torch.randn(128, k, device=device).split(64)):
+        layer.weight_loader(layer.weight, shard.bfloat16(), shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(rows, k, device=device, dtype=torch.bfloat16) if with_residual else None
+    gate_up = torch.randn(rows, 2 * 128, device=device, dtype=torch.bfloat16)[:, : 2 * k]
+    gate_up = gate_up.contiguous()
+
+    def fused_and_unfused(takes: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(Fp8LinearMethod, "takes_fp8_rows", lambda self, x: takes)
+        res = None if residual is None else residual.clone()
+        out, res = rms_norm_linear(norm, layer, x.clone(), res)
+        return [out, res, silu_and_mul_linear(layer, gate_up)]
+
+    assert layer.quant_method.takes_fp8_rows(x) == cuda
+    fused = fused_and_unfused(True)
+    if cuda:
+        expected = fused_and_unfused(False)
+    else:
+        res = None if residual is None else residual.clone()
+        normed = kernels.rms_norm_fp8(x, res, norm.weight, norm.eps, MIN_SCALE)
+        acts = kernels.silu_and_mul_fp8(gate_up, MIN_SCALE)
+        expected = [layer.forward_fp8(*normed, x.dtype), x if res is None else res]
+        expected.append(layer.forward_fp8(*acts, x.dtype))
+    for out, want in zip(fused, expected):
+        assert out.shape == want.shape and torch.equal(out, want)

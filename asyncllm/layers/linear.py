@@ -35,6 +35,7 @@ from asyncllm.layers.quantization.base import (
     padded_rows,
     single_cuda_row,
 )
+from asyncllm.layers.quantization.fp8 import MIN_SCALE
 from kernels.cpu_gemm import cpu_gemm_silu_and_mul
 
 # a checkpoint tensor as the loader hands it over: a torch.Tensor, or a safetensors slice that
@@ -141,6 +142,12 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.combine(self.quant_method.apply(self, x, self.rank_bias))
+
+    def forward_fp8(
+        self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """forward for x already quantized per row, where quant_method.takes_fp8_rows(x)."""
+        return self.combine(self.quant_method.apply_fp8(self, xq, x_scale, dtype, self.rank_bias))
 
     @property
     def rank_bias(self) -> torch.Tensor | None:
@@ -390,12 +397,16 @@ def rms_norm_linear(
     norm: RMSNorm, linear: LinearBase, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), the residual taken as 0 when None; one
-    kernel for a single short CUDA row."""
+    kernel for a single short CUDA row; into an FP8 layer, the norm's rows quantized by the
+    norm's kernel."""
     if _fusable(linear, x, x.shape[1]):
         out, residual = kernels.rms_norm_gemv(
             x, residual, norm.weight, norm.eps, linear.weight, linear.rank_bias
         )
         return linear.combine(out), residual
+    if linear.quant_method.takes_fp8_rows(x):
+        xq, x_scale = kernels.rms_norm_fp8(x, residual, norm.weight, norm.eps, MIN_SCALE)
+        return linear.forward_fp8(xq, x_scale, x.dtype), x if residual is None else residual
     if residual is None:
         return linear(norm(x)), x
     x, residual = norm(x, residual)
@@ -416,9 +427,13 @@ def linear_silu_and_mul(linear: LinearBase, x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_linear(linear: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    """linear(silu(gate) * up) for x = [gate | up]; one kernel for a single short CUDA row."""
+    """linear(silu(gate) * up) for x = [gate | up]; one kernel for a single short CUDA row; into
+    an FP8 layer, the activations quantized by the SiLU-and-mul's kernel."""
     if _fusable(linear, x, x.shape[1] // 2):
         return linear.combine(kernels.silu_and_mul_gemv(x, linear.weight, linear.rank_bias))
+    if linear.quant_method.takes_fp8_rows(x):
+        xq, x_scale = kernels.silu_and_mul_fp8(x, MIN_SCALE)
+        return linear.forward_fp8(xq, x_scale, x.dtype)
     return linear(silu_and_mul(x))
 
 

@@ -56,6 +56,12 @@ class LinearMethodBase(ABC):
     ) -> torch.Tensor:
         """x @ weight.T (+ bias) on this rank's share of the weight."""
 
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether apply would quantize x to FP8 per row with dynamic scales (as
+        kernels.quantize_fp8 does, at least fp8.MIN_SCALE), so that the kernel that makes x may
+        quantize it instead and hand the rows to apply_fp8 (the FP8 method's)."""
+        return False
+
 
 def single_cuda_row(x: torch.Tensor) -> bool:
     """Batch-1 decode on CUDA, the GEMV kernels' case: at 8 rows cuBLAS was as fast as a

@@ -163,19 +163,50 @@ class Fp8LinearMethod(LinearMethodBase):
             out = out + bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """On the GPU past one row, per-row scales of dynamic activations: the RMSNorm or the
+        SiLU-and-mul before the layer quantizes its output (kernels.rms_norm_fp8,
+        silu_and_mul_fp8) in its own launch, which writes FP8 rather than 16-bit rows for
+        quantize_fp8 to read back."""
+        per_row = not (self.scheme.weight_strategy == "block" and self.scheme.serialized)
+        return (
+            x.is_cuda
+            and x.dim() == 2
+            and x.shape[0] > 1
+            and per_row
+            and (self.scheme.dynamic_activations)
+        )
+
+    def apply_fp8(
+        self,
+        layer: nn.Module,
+        xq: torch.Tensor,
+        x_scale: torch.Tensor,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """apply for x already quantized per row (xq, x_scale [rows, 1]), its output in dtype."""
+        out = self._scaled_gemm(layer, xq, x_scale, dtype)
+        return out if bias is None else out + bias
+
     def _apply_per_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] == 1:  # batch-1 decode reads W once: FP8 W, 16-bit x
             return kernels.gemv(x, layer.weight, None, scale=layer.weight_scale)
         static_scale = None if self.scheme.dynamic_activations else layer.input_scale
         xq, x_scale = quantize_activations(x, static_scale=static_scale)
-        if x.is_cuda and kernels.fp8_rowwise_wins(x.shape[0], *layer.weight.shape):
-            return kernels.fp8_rowwise_gemm(xq, x_scale, layer.weight, layer.weight_scale, x.dtype)
-        if x.is_cuda and _scaled_mm_fits(x, layer.weight):
+        return self._scaled_gemm(layer, xq, x_scale, x.dtype)
+
+    def _scaled_gemm(
+        self, layer: nn.Module, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if xq.is_cuda and kernels.fp8_rowwise_wins(xq.shape[0], *layer.weight.shape):
+            return kernels.fp8_rowwise_gemm(xq, x_scale, layer.weight, layer.weight_scale, dtype)
+        if xq.is_cuda and _scaled_mm_fits(xq, layer.weight):
             return torch._scaled_mm(
-                xq, layer.weight.t(), x_scale, layer.weight_scale, out_dtype=x.dtype
+                xq, layer.weight.t(), x_scale, layer.weight_scale, out_dtype=dtype
             )
         return scaled_matmul_reference(
-            xq, x_scale, layer.weight, layer.weight_scale.view(-1, 1), x.dtype
+            xq, x_scale, layer.weight, layer.weight_scale.view(-1, 1), dtype
         )
 
     def _apply_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
