@@ -1,12 +1,16 @@
 """The engine on a CUDA device: Triton backend, CUDA graphs, the runner's own stream."""
 
+import collections
 import gc
 
 import pytest
 import torch
 import transformers
 
+import kernels.activation
+import kernels.norm
 from asyncllm import LLM, SamplingParams
+from asyncllm.layers.quantization.fp8 import Fp8LinearMethod
 from asyncllm.worker.step_plan import StepRunner
 
 pytestmark = [
@@ -64,8 +68,8 @@ def prompts(n: int = 12) -> list[dict]:
     ]
 
 
-def greedy(path, **kwargs) -> list[list[int]]:
-    llm = LLM(model=str(path), kv_cache_memory=KV_CACHE_BYTES, dtype="float32", **kwargs)
+def greedy(path, dtype: str = "float32", **kwargs) -> list[list[int]]:
+    llm = LLM(model=str(path), kv_cache_memory=KV_CACHE_BYTES, dtype=dtype, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts(), params, use_tqdm=False)
     assert llm.core_client.core.kv_cache_manager.usage == 0
@@ -83,6 +87,29 @@ def test_triton_backend_matches_torch_backend_in_fp32(qwen3_dir) -> None:
     triton = greedy(qwen3_dir, attention_backend="triton", enforce_eager=True)
     reference = greedy(qwen3_dir, attention_backend="torch", enforce_eager=True)
     assert triton == reference
+
+
+def test_fp8_rows_quantized_by_the_norm_and_silu_kernels_give_the_same_tokens(
+    llama_dir, monkeypatch
+) -> None:
+    """--quantization fp8 in bf16 under CUDA graphs: with the RMSNorm's and SiLU-and-mul's
+    kernels quantizing the FP8 layers' rows (kernels.rms_norm_fp8, silu_and_mul_fp8, used),
+    the tokens the layers give quantizing them themselves."""
+    calls = collections.Counter()
+    for module, name in ((kernels.norm, "rms_norm_fp8"), (kernels.activation, "silu_and_mul_fp8")):
+        monkeypatch.setattr(module, name, counted(getattr(module, name), calls, name))
+    fused = greedy(llama_dir, dtype="bfloat16", quantization="fp8")
+    assert calls["rms_norm_fp8"] > 0 and calls["silu_and_mul_fp8"] > 0
+    monkeypatch.setattr(Fp8LinearMethod, "takes_fp8_rows", lambda self, x: False)
+    assert greedy(llama_dir, dtype="bfloat16", quantization="fp8") == fused
+
+
+def counted(function, calls: collections.Counter, name: str):
+    def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return function(*args, **kwargs)
+
+    return wrapper
 
 
 def test_runner_uses_graphs_for_decode(qwen3_dir) -> None:
