@@ -7,10 +7,13 @@ compressed-tensors) and SGLang calls its int8 method w8a8_int8; `int8` is the co
 `--quantization fp8`, which is the same scheme in FP8 quantized at load, so a vLLM user finds it
 beside that one.
 
-Why fbgemm: on an AVX2 CPU without AVX-512 (no native bf16 dot products) bf16 GEMMs ran 4-8x
-slower than fp32, while this op ran 2-4x faster than the oneDNN-packed fp32 weights at 8 and 32
-rows on every projection of the default model (bench/cpu_linear.py, bench/NOTES.md): a quarter
-of the weight bytes and vpmaddubsw's rate. torch 2.13's alternatives without the deprecated
+Why fbgemm: on an AVX2 CPU without AVX-512 (no native bf16 dot products) oneDNN's bf16 GEMMs
+ran 4-8x slower than fp32, while this op ran 2-4x faster than the oneDNN-packed fp32 weights at
+8 and 32 rows on every projection of the default model (bench/cpu_linear.py, bench/NOTES.md): a
+quarter of the weight bytes and vpmaddubsw's rate. Since the bf16 mode runs there on asyncllm's
+CPU GEMM (bf16 weights widened to fp32), it is the faster mode on such a CPU too, at fp32's
+accuracy (a Zen 3: 6.65x HF against this mode's 6.12x, 100% agreement against 79%;
+bench/results/throughput_{bf16,int8}_cpu_smollm2_zen3_avx2*.json). torch 2.13's alternatives without the deprecated
 quantized dtypes were slower here: aten._weight_int8pack_mm (int8 weights, fp32 activations)
 10-60x, onednn.qlinear_pointwise with the activations quantized in torch 3-10x.
 
