@@ -22,8 +22,10 @@ from asyncllm.distributed.parallel_state import (
 )
 from asyncllm.executor.multiproc import free_port
 from asyncllm.layers.linear import process_weights_after_loading
+from asyncllm.layers.quantization.base import native_bf16, onednn_bf16
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.loader import iter_safetensors
+from kernels.cpu_gemm import cpu_gemm_available
 
 TINY = {
     **TINY_HF,
@@ -143,6 +145,27 @@ def test_two_ranks_give_the_greedy_ids_of_one(model_dirs, name, async_scheduling
     llm.core_client.shutdown()
     assert split == expected
     assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+
+
+@pytest.mark.skipif(
+    native_bf16() or not cpu_gemm_available(),
+    reason="the bf16 mode runs on the CPU GEMM where the CPU has AVX2 but no bf16 dot products",
+)
+def test_two_ranks_give_the_greedy_ids_of_one_in_the_bf16_mode(model_dirs) -> None:
+    """--dtype bfloat16 on the CPU GEMM: its bf16 panels split over the ranks (gate/up's halves
+    of 48 columns then not whole panels, so not fused with the SiLU-and-mul), and the lm_head,
+    whose 389 logits (195 a rank) are not whole panels, in oneDNN's layout (float32 where
+    oneDNN has no bf16 GEMM)."""
+    expected, llm = greedy_engine(model_dirs["llama"], dtype="bfloat16")
+    model = llm.core_client.core.executor.model_runner.model
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert gate_up.cpu_gemm_packed and gate_up.weight.dtype == torch.bfloat16
+    head_dtype = torch.bfloat16 if onednn_bf16() else torch.float32
+    assert model.lm_head.onednn_packed and model.lm_head.weight.dtype == head_dtype
+    llm.core_client.shutdown()
+    split, llm = greedy_engine(model_dirs["llama"], dtype="bfloat16", tensor_parallel_size=2)
+    llm.core_client.shutdown()
+    assert split == expected
 
 
 @pytest.mark.slow
