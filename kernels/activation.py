@@ -8,11 +8,9 @@ import triton
 import triton.language as tl
 
 from kernels._common import next_pow2
-from kernels.fp8_quant import FP8_MAX, group_scale, store_quantized
+from kernels.fp8_quant import FP8_MAX, group_scale, one_read_warps, store_quantized
 
 _BLOCK = 1024
-# values of a row a thread holds in silu_and_mul_fp8, whose program takes a whole row
-_VALUES_PER_THREAD = 32
 
 
 @triton.jit
@@ -76,6 +74,6 @@ def silu_and_mul_fp8(x: torch.Tensor, min_scale: float) -> tuple[torch.Tensor, t
             FP8_MAX,
             min_scale,
             BLOCK=block,
-            num_warps=min(max(block // (32 * _VALUES_PER_THREAD), 4), 16),
+            num_warps=one_read_warps(block),
         )
     return q, scales

@@ -1,9 +1,10 @@
 // The fp32 linear layers' GEMM on CPU with AVX-512 or AVX2: y [M, N] = x [M, K] @ W^T (+ bias),
 // W packed as panels of 32 columns, [N / 32][K][32], each panel read once from memory in address
 // order. W is float32, or bfloat16 widened to float32 as it is loaded (the bf16 mode on a CPU
-// without bf16 dot products: half the weight bytes, the same float32 arithmetic). At decode's 8-32 rows oneDNN's packed GEMM waited on the weights' reads from memory;
-// here the next panel is prefetched into L2 while this one is computed (the offline fp32
-// workload 1.21x on the Zen 4: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json).
+// without bf16 dot products: half the weight bytes, the same float32 arithmetic). At decode's
+// 8-32 rows oneDNN's packed GEMM waited on the weights' reads from memory; here the next panel
+// is prefetched into L2 while this one is computed (the offline fp32 workload 1.21x on the
+// Zen 4: bench/results/throughput_fp32_cpu_smollm2_zen4_cpu_gemm_*.json).
 // x's rows are copied once a call into the blocks the kernel takes them in, each block's K
 // columns interleaved, so that its broadcasts read consecutive floats: read in place, rows a
 // K apart, a Zen 3 thread ran at half the square matmul's rate at 17-32 rows (bench/NOTES.md).

@@ -66,6 +66,12 @@ def _quantize_fp8_kernel(
             store_quantized(q_ptr, base, k, end, x, scale, fp8_max)
 
 
+def one_read_warps(block: int) -> int:
+    """Warps for a program holding a block of values, _VALUES_PER_THREAD a thread: 4 at least,
+    as before for groups of 4K and less (the block-wise 128s included), at most 16."""
+    return min(max(block // (32 * _VALUES_PER_THREAD), 4), 16)
+
+
 @triton.jit
 def group_scale(x, scale_ptr, row, group, fp8_max, min_scale, STATIC: tl.constexpr):
     """The static scale, or the group's max |x| over fp8_max (at least min_scale), stored."""
@@ -108,8 +114,7 @@ def quantize_fp8(
             block <= _ONE_READ_MAX and rows <= _ONE_READ_MAX_WIDE_ROWS
         )
         block = block if one_read else _LOOP_BLOCK
-        # 4 warps at least, as before for groups of 4K and less (the block-wise 128s included)
-        num_warps = min(max(block // (32 * _VALUES_PER_THREAD), 4), 16)
+        num_warps = one_read_warps(block)
         _quantize_fp8_kernel[(rows, groups)](
             x,
             q,

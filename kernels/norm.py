@@ -127,6 +127,6 @@ def rms_norm_fp8(
     written and read back. With residual, x + residual is written into it; x is left as it is."""
     assert residual is None or (residual.shape == x.shape and residual.is_contiguous())
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(q.numel() // max(x.shape[-1], 1), 1, dtype=torch.float32, device=x.device)
+    scales = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
     _launch(x, residual, weight, q, eps, scales, min_scale)
     return q, scales

@@ -155,7 +155,7 @@ class Fp8LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.scheme.weight_strategy == "block" and self.scheme.serialized:
+        if self._block_scaled:
             out = self._apply_block(layer, rows)
         else:
             out = self._apply_per_row(layer, rows)
@@ -168,14 +168,13 @@ class Fp8LinearMethod(LinearMethodBase):
         SiLU-and-mul before the layer quantizes its output (kernels.rms_norm_fp8,
         silu_and_mul_fp8) in its own launch, which writes FP8 rather than 16-bit rows for
         quantize_fp8 to read back."""
-        per_row = not (self.scheme.weight_strategy == "block" and self.scheme.serialized)
-        return (
-            x.is_cuda
-            and x.dim() == 2
-            and x.shape[0] > 1
-            and per_row
-            and (self.scheme.dynamic_activations)
-        )
+        dynamic = self.scheme.dynamic_activations
+        return x.is_cuda and x.dim() == 2 and x.shape[0] > 1 and not self._block_scaled and dynamic
+
+    @property
+    def _block_scaled(self) -> bool:
+        """Block-wise weight scales from the checkpoint: activations quantized per group of K."""
+        return self.scheme.weight_strategy == "block" and self.scheme.serialized
 
     def apply_fp8(
         self,
